@@ -1,0 +1,46 @@
+"""implicitdiff: custom derivative rules written once, valid under every JAX transformation.
+
+The public names:
+
+- `Primitive`: a JAX operation with its own implementation and derivative rules
+  (the vocabulary of `jax.experimental.hijax.VJPHiPrimitive`), dispatched as fast
+  as `jax.custom_vjp`.
+- `Zero`, `instantiate_zeros`, `NullAccum`, `Static`: symbolic zeros, accumulators
+  and static residual data used inside rules.
+- The derivation helpers `linearize_from_jvp`, `apply_derived_linearization`,
+  `vjp_fwd_from_jvp`, `transpose_jvp`, `vjp_fwd_from_lin`, `transpose_linearized`,
+  `jvp_from_lin`.
+- `custom_jvp`, `custom_vjp`: drop-ins for JAX's decorators with keyword arguments,
+  `nondiff_argnames`, and array-valued non-differentiable arguments.
+- `foreign`: wrap a host (NumPy/SciPy/C) function with derivative and batching rules.
+"""
+
+from ._derive import (
+    apply_derived_linearization,
+    jvp_from_lin,
+    linearize_from_jvp,
+    transpose_jvp,
+    transpose_linearized,
+    vjp_fwd_from_jvp,
+    vjp_fwd_from_lin,
+)
+from ._primitive import NullAccum, Primitive, Static, Zero, instantiate_zeros
+from ._vmap import VmapOf
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Primitive",
+    "VmapOf",
+    "Zero",
+    "instantiate_zeros",
+    "NullAccum",
+    "Static",
+    "linearize_from_jvp",
+    "apply_derived_linearization",
+    "vjp_fwd_from_jvp",
+    "transpose_jvp",
+    "vjp_fwd_from_lin",
+    "transpose_linearized",
+    "jvp_from_lin",
+]

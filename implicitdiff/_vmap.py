@@ -1,0 +1,129 @@
+"""The default batching rule: a primitive mapped over one `vmap` axis.
+
+`vmap(f)` must mean "stack `f` over the batch", custom rules included (the
+custom_jvp/custom_vjp design note's semantics). So when a `Primitive` has no
+`batch` rule, batching it builds a `VmapOf` primitive whose implementation and
+every derivative rule are the original ones under `jax.vmap`. Differentiating
+`vmap(f)` then runs the user's rules, and nested `vmap`s nest `VmapOf`s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from . import _jax_compat as compat
+from ._jax_compat import Zero
+from ._primitive import Primitive, Static, _Accum, _broadcast_prefix
+
+
+class VmapOf(Primitive):
+    """`prim` mapped over the axis `axis_data`, inputs batched at `in_dims` (flat)."""
+
+    def __init__(self, prim: Primitive, axis_data: Any, in_dims: list, out_dim: Any):
+        out_dims = _broadcast_prefix(out_dim, prim.out_tree)
+        self.in_avals = tuple(
+            prim._unflatten_in(
+                [compat.unmapped_aval(axis_data, d, a) for a, d in zip(prim.in_avals_flat, in_dims)]
+            )
+        )
+        self.out_aval = jax.tree_util.tree_unflatten(
+            prim.out_tree,
+            [compat.unmapped_aval(axis_data, d, a) for a, d in zip(prim.out_avals_flat, out_dims)],
+        )
+        self.params = dict(
+            prim=prim, axis_data=axis_data, in_dims=tuple(in_dims), out_dims=tuple(out_dims)
+        )
+        super().__init__()
+
+    def _caps(self):
+        return self.prim._caps()
+
+    # axis specifications as pytrees matching the arguments / output
+    @property
+    def _in_axes(self):
+        return tuple(self.prim._unflatten_in(list(self.in_dims)))
+
+    @property
+    def _out_axes(self):
+        return jax.tree_util.tree_unflatten(self.prim.out_tree, list(self.out_dims))
+
+    def _vmap(self, f, in_axes, out_axes, **kw):
+        return jax.vmap(f, in_axes=in_axes, out_axes=out_axes, **compat.vmap_kwargs(self.axis_data), **kw)
+
+    def expand(self, *args):
+        return self._vmap(self.prim.expand, self._in_axes, self._out_axes)(*args)
+
+    def jvp(self, primals, tangents):
+        prim = self.prim
+        t_flat = prim.in_tree.flatten_up_to(tangents)
+        nz = [not (t is None or isinstance(t, Zero)) for t in t_flat]
+        nz_t = [t for t, n in zip(t_flat, nz) if n]
+        nz_dims = [d for d, n in zip(self.in_dims, nz) if n]
+
+        def f(primals, nz_t):
+            out, t = prim.jvp(primals, prim._fill_tangents(nz, nz_t))
+            return out, prim._flatten_out_tangents(t, "jvp")
+
+        out, t = self._vmap(f, (self._in_axes, nz_dims), (self._out_axes, list(self.out_dims)))(
+            primals, nz_t
+        )
+        return out, jax.tree_util.tree_unflatten(prim.out_tree, t)
+
+    def vjp_fwd(self, nzs_in, *args):
+        store = {}
+
+        def fwd(*args):
+            out, res, *maybe = self.prim.vjp_fwd(nzs_in, *args)
+            store["maybe"] = maybe
+            return out, res
+
+        run = compat.vmap_infer_out_axes(fwd, self._in_axes, self.axis_data, self._out_axes)
+        (out, res), res_axes = run(*args)
+        res_tree = jax.tree_util.tree_structure(res)
+        axes_flat = tuple(res_tree.flatten_up_to(res_axes)) if res_tree.num_leaves else ()
+        return (out, (res, Static(axes_flat)), *store["maybe"])
+
+    def vjp_bwd_retval(self, res_, g):
+        prim = self.prim
+        res, axes_flat = res_[0], res_[1].val
+        res_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(res), list(axes_flat))
+        g_flat = prim.out_tree.flatten_up_to(g)
+        nz = [not (x is None or isinstance(x, Zero)) for x in g_flat]
+        g_nz = [x for x, n in zip(g_flat, nz) if n]
+        g_dims = [d for d, n in zip(self.out_dims, nz) if n]
+        produced: dict[str, list[bool]] = {}
+
+        def bwd(res, g_nz):
+            it = iter(g_nz)
+            g_full = [
+                next(it) if n else Zero(compat.tangent_aval(a))
+                for a, n in zip(prim.out_avals_flat, nz)
+            ]
+            accs = [_Accum(compat.tangent_aval(a)) for a in prim.in_avals_flat]
+            prim.vjp_bwd(
+                res,
+                jax.tree_util.tree_unflatten(prim.out_tree, g_full),
+                *prim._unflatten_in(accs),
+            )
+            produced["mask"] = [a.value is not None for a in accs]
+            return [a.value for a in accs if a.value is not None]
+
+        # Which inputs receive a cotangent is decided by the rule's Python code, so
+        # learn it from a shape-only trace on one batch element, then map.
+        jax.eval_shape(lambda r, gg: bwd(*_one_element(r, res_axes, gg, g_dims)), res, g_nz)
+        mask = produced["mask"]
+        out_axes = [d for d, m in zip(self.in_dims, mask) if m]
+        vals = self._vmap(bwd, (res_axes, g_dims), out_axes, sum_match=True)(res, g_nz)
+        it = iter(vals)
+        flat = [next(it) if m else None for m in mask]
+        return tuple(prim._unflatten_in(flat))
+
+
+def _one_element(res, res_axes, g_nz, g_dims):
+    """Slice one batch element out of (res, g_nz) abstractly, for a shape-only trace."""
+    take = lambda x, d: x if d is None else jax.lax.index_in_dim(x, 0, d, keepdims=False)
+    r = jax.tree_util.tree_map(take, res, res_axes, is_leaf=lambda x: x is None)
+    g = [take(x, d) for x, d in zip(g_nz, g_dims)]
+    return r, g
