@@ -349,10 +349,9 @@ class Primitive:
                 "`jvp` (linearize_from_jvp): that is a circle. Write one of them by hand."
             )
         if _overrides(cls, "vjp_bwd") and _overrides(cls, "vjp_bwd_retval"):
-            if cls.__dict__.get("vjp_bwd") and cls.__dict__.get("vjp_bwd_retval"):
-                raise TypeError(
-                    f"{cls.__name__} defines both `vjp_bwd` and `vjp_bwd_retval`; define one"
-                )
+            raise TypeError(
+                f"{cls.__name__} defines both `vjp_bwd` and `vjp_bwd_retval`; define one"
+            )
         cls._caps_cache = (
             _overrides(cls, "jvp"),
             _overrides(cls, "vjp_fwd")
