@@ -56,7 +56,9 @@ def _linear_structs(self: Primitive, nz: list[bool]) -> list[jax.ShapeDtypeStruc
 
 def _transpose(self: Primitive, nz: list[bool], lin_fn, g: Any) -> tuple[Any, ...]:
     """Transpose `lin_fn(*nonzero input tangents) -> flat output tangents` at `g`."""
-    g_flat = [instantiate_zeros(x) if x is not None else None for x in self.out_tree.flatten_up_to(g)]
+    g_flat = [
+        instantiate_zeros(x) if x is not None else None for x in self.out_tree.flatten_up_to(g)
+    ]
     g_flat = [
         compat.zeros_like_aval(compat.tangent_aval(a)) if x is None else x
         for x, a in zip(g_flat, self.out_avals_flat)

@@ -154,7 +154,10 @@ def vmap_infer_out_axes(
 
     def run(*args):
         (out0, out1), (_, out1_axes) = jax.vmap(
-            fun, in_axes=in_axes, out_axes=(fixed_out_axes, _batching.infer), **vmap_kwargs(axis_data)
+            fun,
+            in_axes=in_axes,
+            out_axes=(fixed_out_axes, _batching.infer),
+            **vmap_kwargs(axis_data),
         )(*args)
         return (out0, out1), out1_axes
 

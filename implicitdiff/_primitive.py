@@ -255,7 +255,10 @@ class _BatchedLin:
     def _rule_forward(self, res, tangents):
         f = lambda r, t: self.base._rule_forward(r, t)
         return jax.vmap(
-            f, in_axes=(self.res_dims, self.tan_dims), out_axes=0, **compat.vmap_kwargs(self.axis_data)
+            f,
+            in_axes=(self.res_dims, self.tan_dims),
+            out_axes=0,
+            **compat.vmap_kwargs(self.axis_data),
         )(list(res), list(tangents))
 
     def _rule_transpose(self, res, cts):
@@ -391,15 +394,15 @@ class Primitive:
                     "or a frozen dataclass, or pass array data as an input"
                 ) from None
         self.in_avals_flat, self.in_tree = jax.tree_util.tree_flatten(self.in_avals)
+        for k, v in self.params.items():  # params are readable as attributes, e.g. self.f
+            if not callable(getattr(type(self), k, None)):
+                self.__dict__.setdefault(k, v)
         if "out_aval" not in self.__dict__:
             self.out_aval = self._infer_out_aval()
         self.out_aval = jax.tree_util.tree_map(
             compat.aval_from_shape_dtype, self.out_aval, is_leaf=is_leaf
         )
         self.out_avals_flat, self.out_tree = jax.tree_util.tree_flatten(self.out_aval)
-        for k, v in self.params.items():
-            if k not in type(self).__dict__:
-                self.__dict__.setdefault(k, v)
         self._hash = hash(
             (
                 type(self),
@@ -413,7 +416,10 @@ class Primitive:
         self.check(*self.in_avals)
 
     def _infer_out_aval(self):
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self.in_avals_flat]
+        structs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in self.in_avals_flat
+        ]
         try:
             out = jax.eval_shape(lambda *a: self.expand(*self._unflatten_in(a)), *structs)
         except Exception as e:
@@ -728,12 +734,16 @@ class Primitive:
         if all(d is None for d in dims):
             return compat.bind_prim(self, args), [None] * len(self.out_avals_flat)
         if _overrides(cls, "batch"):
-            out, out_dims = self.batch(axis_data, tuple(self._unflatten_in(args)), self._unflatten_in(dims))
+            out, out_dims = self.batch(
+                axis_data, tuple(self._unflatten_in(args)), self._unflatten_in(dims)
+            )
             out_flat = self._flatten_out_batched(out)
             dims_flat = _broadcast_prefix(out_dims, self.out_tree)
             return out_flat, dims_flat
         dims_tree = self._unflatten_in(dims)
-        out_dim = self.batch_dim_rule(axis_data, dims_tree) if _overrides(cls, "batch_dim_rule") else 0
+        out_dim = (
+            self.batch_dim_rule(axis_data, dims_tree) if _overrides(cls, "batch_dim_rule") else 0
+        )
         from ._vmap import VmapOf
 
         prim = VmapOf(self, axis_data, list(dims), out_dim)
@@ -758,4 +768,3 @@ def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
 def _describe(v: Any) -> str:
     leaves = jax.tree_util.tree_leaves(v)
     return ", ".join(compat.typeof(x).str_short() for x in leaves if hasattr(x, "shape")) or repr(v)
-

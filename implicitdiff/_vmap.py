@@ -50,7 +50,9 @@ class VmapOf(Primitive):
         return jax.tree_util.tree_unflatten(self.prim.out_tree, list(self.out_dims))
 
     def _vmap(self, f, in_axes, out_axes, **kw):
-        return jax.vmap(f, in_axes=in_axes, out_axes=out_axes, **compat.vmap_kwargs(self.axis_data), **kw)
+        return jax.vmap(
+            f, in_axes=in_axes, out_axes=out_axes, **compat.vmap_kwargs(self.axis_data), **kw
+        )
 
     def expand(self, *args):
         return self._vmap(self.prim.expand, self._in_axes, self._out_axes)(*args)

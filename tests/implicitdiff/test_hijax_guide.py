@@ -248,7 +248,9 @@ class FixedPoint(Primitive):
     def vjp_bwd_retval(self, res, x_star_bar):
         a, x_star = res
         _, vjp_a = vjp(lambda a: self.f(a, x_star), a)
-        (a_bar,) = vjp_a(fixed_point(partial(rev_iter, self.f), (a, x_star, x_star_bar), x_star_bar))
+        (a_bar,) = vjp_a(
+            fixed_point(partial(rev_iter, self.f), (a, x_star, x_star_bar), x_star_bar)
+        )
         return a_bar, jnp.zeros_like(x_star)
 
 
