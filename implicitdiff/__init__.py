@@ -25,6 +25,7 @@ from ._derive import (
     vjp_fwd_from_lin,
 )
 from ._primitive import NullAccum, Primitive, Static, Zero, instantiate_zeros
+from .foreign import Foreign, foreign, like
 from ._vmap import VmapOf
 
 __version__ = "0.1.0"
@@ -43,4 +44,7 @@ __all__ = [
     "vjp_fwd_from_lin",
     "transpose_linearized",
     "jvp_from_lin",
+    "foreign",
+    "Foreign",
+    "like",
 ]

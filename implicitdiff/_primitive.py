@@ -99,7 +99,9 @@ class NullAccum(_Accum):
         return f"NullAccum({self.aval.str_short()})"
 
 
-_ARRAY_TYPES = (jax.Array, compat.Tracer, np.ndarray, np.generic, int, float, complex, bool)
+# Residual leaves of these types travel as data; anything else (Python scalars such
+# as an axis number, strings, callables) is kept as a static constant.
+_ARRAY_TYPES = (jax.Array, compat.Tracer, np.ndarray, np.generic)
 
 
 def _split_residuals(res: Any) -> tuple[list[Any], Any, tuple[Any, ...]]:

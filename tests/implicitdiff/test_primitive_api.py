@@ -207,3 +207,21 @@ def test_jit_with_sharded_inputs_on_eight_devices():
         [sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, timeout=300
     )
     assert "SHARDED-OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_python_scalars_in_residuals_stay_static():
+    class SumAxis(Primitive):
+        def expand(self, x):
+            return jnp.sum(x**2, axis=1)
+
+        def vjp_fwd(self, nzs_in, x):
+            return self(x), (x, 1, "note")  # an axis number and a string ride along
+
+        def vjp_bwd_retval(self, res, g):
+            x, axis, note = res
+            assert isinstance(axis, int) and note == "note"
+            return (2 * x * jnp.expand_dims(g, axis),)
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_allclose(jax.grad(lambda x: SumAxis.apply(x).sum())(x), 2 * x)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: SumAxis.apply(x).sum()))(x), 2 * x)
