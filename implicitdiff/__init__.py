@@ -25,8 +25,9 @@ from ._derive import (
     vjp_fwd_from_lin,
 )
 from ._primitive import NullAccum, Primitive, Static, Zero, instantiate_zeros
-from .foreign import Foreign, foreign, like
 from ._vmap import VmapOf
+from .custom_derivatives import custom_jvp, custom_vjp
+from .foreign import Foreign, foreign, like
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,8 @@ __all__ = [
     "vjp_fwd_from_lin",
     "transpose_linearized",
     "jvp_from_lin",
+    "custom_jvp",
+    "custom_vjp",
     "foreign",
     "Foreign",
     "like",

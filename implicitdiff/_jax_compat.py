@@ -262,3 +262,31 @@ _mlir.register_lowering(lin_call_p, _mlir.lower_fun(_lin_impl, multiple_results=
 
 def bind_lin(rule: Any, res_flat: Sequence[Any], tangents: Sequence[Any]) -> list[Any]:
     return lin_call_p.bind(*res_flat, *tangents, rule=rule, num_res=len(res_flat))
+
+
+# ---------------------------------------------------------------------------
+# Questions about the live trace stack (used by custom_jvp / custom_vjp to name a
+# differentiated closed-over value in their error message).
+
+_AD_TRACES = (_ad.JVPTrace, _ad.LinearizeTrace)
+_AD_TRACERS = (_ad.JVPTracer, _ad.LinearizeTracer)
+
+
+def under_differentiation() -> bool:
+    """Whether a jvp / linearize (grad) trace is active anywhere in the trace stack."""
+    trace = _core.find_top_trace(())
+    while trace is not None:
+        if isinstance(trace, _AD_TRACES):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def carries_tangent(x: Any) -> bool:
+    """Whether `x` is, or wraps (e.g. a vmap tracer around), a differentiation tracer."""
+    if not isinstance(x, _core.Tracer):
+        return False
+    if isinstance(x, _AD_TRACERS):
+        return True
+    contents = getattr(x, "_contents", None)
+    return callable(contents) and any(carries_tangent(v) for _, v in contents())

@@ -1,0 +1,400 @@
+"""Drop-in versions of ``jax.custom_jvp`` and ``jax.custom_vjp`` with a few extras.
+
+Both subclass the JAX classes, so rules, ``symbolic_zeros``, pytrees and every transformation
+behave as in JAX. Added: ``nondiff_argnames``; keyword arguments at call time; arrays/Tracers in
+the nondiff positions of ``custom_vjp`` (passed to JAX as ordinary inputs, saved as residuals,
+handed back to ``bwd`` nondiff-first); and a ``TypeError`` naming the shape/dtype of a
+closed-over value that is being differentiated.
+
+The closure check runs only when a jvp/grad trace is active (a walk up the trace chain, well
+under a microsecond otherwise). It traces what JAX is about to run - the primal when no input
+carries a tangent, else the ``jvp``/``fwd`` rule - with :func:`jax.make_jaxpr`, passing every
+array explicitly, so the jaxpr constants are the closed-over values; one carrying a tangent is
+reported. A closure over the inputs of a ``jit``/``checkpoint`` placed between the ``grad`` and
+the call looks like an ordinary constant there, so JAX's own error is raised for it later.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal
+from jax.errors import UnexpectedTracerError
+
+from . import _jax_compat as compat
+
+__all__ = ["custom_jvp", "custom_vjp"]
+
+R = TypeVar("R")
+
+# Set while we trace user code for the closure check, so nested calls skip their own check.
+_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "implicitdiff_check", default=False
+)
+# Leaves of these types are traced values; everything else in a nondiff argument stays static.
+_ARRAY_TYPES = (jax.Array, jax.core.Tracer, np.ndarray)
+
+
+def _is_array(x: Any) -> bool:
+    """Whether a pytree leaf must be traced (an array or Tracer) rather than kept static."""
+    return isinstance(x, _ARRAY_TYPES)
+
+
+_carries_tangent = compat.carries_tangent
+_under_differentiation = compat.under_differentiation
+
+
+def _nondiff_positions(fun: Callable, argnums: Sequence[int], argnames: Sequence[str]) -> tuple:
+    """Merge ``nondiff_argnums`` with the positions of ``nondiff_argnames``."""
+    positions = {int(i) for i in argnums}
+    if argnames:
+        try:
+            params = list(inspect.signature(fun).parameters.values())
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"nondiff_argnames needs the signature of {fun!r}: {e}") from e
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        index = {p.name: i for i, p in enumerate(params) if p.kind in kinds}
+        for name in argnames:
+            if name not in index:
+                raise ValueError(
+                    f"nondiff_argnames: {name!r} is not a positional parameter of {fun!r}"
+                )
+            positions.add(index[name])
+    if any(i < 0 for i in positions):
+        raise ValueError(f"nondiff_argnums must be non-negative, got {sorted(positions)}")
+    return tuple(sorted(positions))
+
+
+class _Spec:
+    """Static half of a call: the tree and non-array leaves of each nondiff argument."""
+
+    def __init__(self, args: tuple, nondiff: tuple) -> None:
+        self.n = len(args)
+        self.parts: dict[int, tuple] = {}
+        self.dynamic: list[Any] = []
+        for i in (i for i in nondiff if i < self.n):
+            leaves, tree = jax.tree_util.tree_flatten(args[i])
+            mask = [_is_array(leaf) for leaf in leaves]
+            self.dynamic += [leaf for leaf, m in zip(leaves, mask) if m]
+            self.parts[i] = (tree, [None if m else leaf for leaf, m in zip(leaves, mask)], mask)
+
+    def nondiff(self, dynamic: Sequence[Any]) -> list:
+        """Rebuild the nondiff arguments, in order, from their traced leaves."""
+        out, it = [], iter(dynamic)
+        for tree, leaves, mask in self.parts.values():
+            out.append(tree.unflatten([next(it) if m else x for x, m in zip(leaves, mask)]))
+        return out
+
+    def merge(self, dynamic: Sequence[Any], diff: Sequence[Any]) -> tuple:
+        """Rebuild the full positional argument tuple."""
+        nondiff, diff_it = iter(self.nondiff(dynamic)), iter(diff)
+        return tuple(next(nondiff if i in self.parts else diff_it) for i in range(self.n))
+
+
+class _CustomBase:
+    """Shared argument handling and closure check (mixed into the two public classes)."""
+
+    fun: Callable
+    nondiff_argnums: tuple
+    _kind = ""
+
+    def _setup(self, fun: Callable, nondiff_argnames: Sequence[str]) -> None:
+        self.nondiff_argnames = tuple(nondiff_argnames)
+        try:
+            self._sig: inspect.Signature | None = inspect.signature(fun)
+        except (TypeError, ValueError):
+            self._sig = None
+        simple = self._sig is not None and all(
+            p.kind == p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+            for p in self._sig.parameters.values()
+        )
+        self._n_simple = len(self._sig.parameters) if simple else -1
+
+    def __getattr__(self, name: str) -> Any:
+        # As in JAX: forward def* lookups so decorators can be stacked.
+        if name.startswith("def") and "fun" in self.__dict__:
+            return getattr(self.fun, name)
+        raise AttributeError(name)
+
+    def _resolve(self, args: tuple, kwargs: dict) -> tuple:
+        """Turn a call into positional arguments, with defaults filled in (as JAX does)."""
+        if not kwargs and len(args) == self._n_simple:
+            return args
+        if self._sig is None:  # no signature: positional calls only
+            if kwargs:
+                raise TypeError(f"{self._name()} has no signature; pass arguments by position")
+            return args
+        try:
+            bound = self._sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(
+                f"The arguments to the {self._kind} function {self._name()} could "
+                f"not be bound to its signature: {e}"
+            ) from e
+        bound.apply_defaults()
+        if set(bound.kwargs) & set(kwargs):
+            raise TypeError(
+                f"Keyword-only arguments {sorted(set(bound.kwargs) & set(kwargs))} "
+                f"of {self._kind} function {self._name()} can't be resolved to positions"
+            )
+        return bound.args
+
+    def _name(self) -> str:
+        return getattr(self.fun, "__qualname__", repr(self.fun))
+
+    def _rule_call(self, args: tuple) -> Callable[[tuple], Any]:
+        raise NotImplementedError
+
+    def _check_closure(self, args: tuple) -> None:
+        """Raise if the code JAX will run closes over a value that carries a tangent."""
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+        perturbed = any(_carries_tangent(leaves[i]) for i in where)
+        # JAX runs the rule when some input carries a tangent and the primal otherwise.
+        call = self._rule_call(args) if perturbed else (lambda a: self.fun(*a))
+
+        def traced(*arrays: Any) -> Any:
+            full = list(leaves)
+            for i, x in zip(where, arrays):
+                full[i] = x
+            return call(tree.unflatten(full))
+
+        token = _CHECKING.set(True)
+        try:
+            consts = jax.make_jaxpr(traced)(*(leaves[i] for i in where)).consts
+        except Exception:  # e.g. Python control flow on values: leave it to JAX
+            return
+        finally:
+            _CHECKING.reset(token)
+        bad = [c for c in consts if _carries_tangent(c)]
+        if bad:
+            raise self._closure_error(
+                ", ".join(jax.typeof(c).str_short(short_dtypes=True) for c in bad)
+            )
+
+    def _closure_error(self, types: str) -> TypeError:
+        rule = "jvp rule" if self._kind == "custom_jvp" else "fwd/bwd rules"
+        return TypeError(
+            f"The {self._kind} function {self._name()} is being differentiated with respect to "
+            f"a value it closes over (type {types}). Its custom rule only covers its explicit "
+            f"arguments, so that derivative can't be formed. Pass the closed-over value to "
+            f"{self._name()} as an explicit argument and extend the {rule} to handle it "
+            f"(or wrap it in jax.lax.stop_gradient if no derivative is wanted)."
+        )
+
+    def _call(self, call: Callable[[], Any], args: tuple) -> Any:
+        if not _CHECKING.get() and _under_differentiation():
+            self._check_closure(args)
+        try:
+            return call()
+        except UnexpectedTracerError as err:
+            # Fallback when the check could not trace the function: reword JAX's leak error.
+            found = re.search(r"type (\S+) wrapped in a (?:JVPTracer|LinearizeTracer)", str(err))
+            if found is None:
+                raise
+            raise self._closure_error(found.group(1)) from err
+
+
+class custom_jvp(_CustomBase, jax.custom_jvp[R]):
+    """``jax.custom_jvp`` with ``nondiff_argnames``, keywords and a closure-error message.
+
+    Arguments:
+      fun: the primal function.
+      nondiff_argnums: positions of non-differentiable arguments; they are passed first to the
+        rule, ``jvp(*nondiff, primals, tangents)``. Arrays and Tracers are allowed there (JAX
+        applies ``stop_gradient`` to them).
+      nondiff_argnames: the same, given by parameter name.
+
+    Returns:
+      A callable with ``defjvp(jvp, symbolic_zeros=False)`` and ``defjvps(*jvps)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> @custom_jvp
+      ... def f(x, scale=2.0):
+      ...     return scale * jnp.sin(x)
+      >>> @f.defjvp
+      ... def f_jvp(primals, tangents):
+      ...     (x, scale), (dx, dscale) = primals, tangents
+      ...     return f(x, scale), scale * jnp.cos(x) * dx + jnp.sin(x) * dscale
+      >>> print(jax.grad(lambda x: f(scale=3.0, x=x))(0.0))
+      3.0
+    """
+
+    _kind = "custom_jvp"
+
+    def __init__(
+        self,
+        fun: Callable[..., R],
+        nondiff_argnums: Sequence[int] = (),
+        nondiff_argnames: Sequence[str] = (),
+    ) -> None:
+        super().__init__(
+            fun, nondiff_argnums=_nondiff_positions(fun, nondiff_argnums, nondiff_argnames)
+        )
+        self._setup(fun, nondiff_argnames)
+
+    def _rule_call(self, args: tuple) -> Callable[[tuple], Any]:
+        nd = self.nondiff_argnums
+
+        def call(a: tuple) -> Any:
+            diff = tuple(x for i, x in enumerate(a) if i not in nd)
+            return self.jvp(*(a[i] for i in nd), diff, diff)
+
+        return call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        if not self.jvp:
+            raise AttributeError(
+                f"No JVP defined for custom_jvp function {self._name()} using defjvp."
+            )
+        args = self._resolve(args, kwargs)
+        return self._call(lambda: jax.custom_jvp.__call__(self, *args), args)
+
+
+class custom_vjp(_CustomBase, jax.custom_vjp[R]):
+    """``jax.custom_vjp`` that also takes arrays/Tracers in non-differentiable positions.
+
+    Arguments:
+      fun: the primal function.
+      nondiff_argnums: positions of non-differentiable arguments, passed first to ``bwd`` as
+        ``bwd(*nondiff, residuals, g)``. Static values (callables, shapes, strings) are kept in
+        Python as in JAX; array leaves (jax/NumPy arrays, Tracers, also inside mixed pytrees) are
+        passed to JAX as ordinary inputs with a zero cotangent and saved as extra residuals.
+      nondiff_argnames: the same, given by parameter name.
+
+    Returns:
+      A callable with ``defvjp(fwd, bwd, symbolic_zeros=False, optimize_remat=False)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functools import partial
+      >>> @partial(custom_vjp, nondiff_argnames=("lo", "hi"))
+      ... def clip_gradient(lo, hi, x):
+      ...     return x
+      >>> def fwd(lo, hi, x):
+      ...     return x, None
+      >>> def bwd(lo, hi, _, g):
+      ...     return (jnp.clip(g, lo, hi),)
+      >>> clip_gradient.defvjp(fwd, bwd)
+      >>> grad = jax.jit(jax.grad(lambda x, lo, hi: 3.0 * clip_gradient(lo, hi, x)))
+      >>> print(grad(1.0, -0.5, 0.5))
+      0.5
+    """
+
+    _kind = "custom_vjp"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> custom_vjp:
+        # jax.custom_vjp.__new__ may hand back a different class under a config flag.
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        fun: Callable[..., R],
+        nondiff_argnums: Sequence[int] = (),
+        nondiff_argnames: Sequence[str] = (),
+    ) -> None:
+        super().__init__(
+            fun, nondiff_argnums=_nondiff_positions(fun, nondiff_argnums, nondiff_argnames)
+        )
+        self._setup(fun, nondiff_argnames)
+        self._dynamic_impl: jax.custom_vjp | None = None
+
+    def defvjp(
+        self,
+        fwd: Callable,
+        bwd: Callable,
+        symbolic_zeros: bool = False,
+        optimize_remat: bool = False,
+    ) -> None:
+        """Define the rule, exactly as :meth:`jax.custom_vjp.defvjp`.
+
+        Arguments:
+          fwd: ``fwd(*args) -> (out, residuals)``.
+          bwd: ``bwd(*nondiff_args, residuals, g) -> tuple`` of cotangents for the other args.
+          symbolic_zeros: pass ``CustomVJPPrimal`` leaves to ``fwd`` and symbolic zeros to bwd.
+          optimize_remat: JAX's experimental remat optimisation flag.
+
+        Returns:
+          None.
+
+        Example:
+          >>> f = custom_vjp(lambda x: x ** 2)
+          >>> f.defvjp(lambda x: (x ** 2, x), lambda x, g: (2 * x * g,))
+          >>> print(jax.grad(f)(3.0))
+          6.0
+        """
+        super().defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, optimize_remat=optimize_remat)
+        self._dynamic_impl = None
+
+    def _rule_call(self, args: tuple) -> Callable[[tuple], Any]:
+        nd = self.nondiff_argnums
+
+        def call(a: tuple) -> Any:
+            if self.symbolic_zeros:
+                wrap = lambda x: CustomVJPPrimal(x, True)
+                a = tuple(x if i in nd else jax.tree.map(wrap, x) for i, x in enumerate(a))
+            return self.fwd(*a)
+
+        return call
+
+    def _dynamic(self) -> jax.custom_vjp:
+        """A jax.custom_vjp taking ``(spec, arrays, *diff_args)``; arrays are traced inputs."""
+        if self._dynamic_impl is not None:
+            return self._dynamic_impl
+        user_fun, user_fwd, user_bwd = self.fun, self.fwd, self.bwd
+        symbolic = self.symbolic_zeros
+
+        def primal(spec: _Spec, arrays: list, *diff: Any) -> Any:
+            return user_fun(*spec.merge(arrays, diff))
+
+        def fwd(spec: _Spec, arrays: list, *diff: Any) -> tuple:
+            if symbolic:
+                arrays = [a.value for a in arrays]
+            pair = user_fwd(*spec.merge(arrays, diff))
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise TypeError(
+                    f"Custom VJP fwd rule for {self._name()} must return a pair "
+                    f"(primal output, residuals), got {pair!r}."
+                )
+            return pair[0], (arrays, pair[1])
+
+        def bwd(spec: _Spec, saved: tuple, g: Any) -> tuple:
+            arrays, res = saved
+            cts = user_bwd(*spec.nondiff(arrays), res, g)
+            if not isinstance(cts, tuple | list):
+                raise TypeError(
+                    f"Custom VJP bwd rule for {self._name()} must return a tuple "
+                    f"with one cotangent per differentiable argument, got {cts!r}."
+                )
+            return (None, *cts)  # the nondiff arrays get no cotangent
+
+        for wrapper, user in ((primal, user_fun), (fwd, user_fwd), (bwd, user_bwd)):
+            wrapper.__name__ = getattr(user, "__name__", wrapper.__name__)
+            wrapper.__qualname__ = getattr(user, "__qualname__", wrapper.__qualname__)
+        impl = jax.custom_vjp(primal, nondiff_argnums=(0,))
+        impl.defvjp(fwd, bwd, symbolic_zeros=symbolic, optimize_remat=self.optimize_remat)
+        self._dynamic_impl = impl
+        return impl
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        if not self.fwd or not self.bwd:
+            raise AttributeError(
+                f"No VJP defined for custom_vjp function {self._name()} using defvjp."
+            )
+        args = self._resolve(args, kwargs)
+        nd = self.nondiff_argnums
+        if nd and any(
+            _is_array(x) for i in nd if i < len(args) for x in jax.tree_util.tree_leaves(args[i])
+        ):
+            spec = _Spec(args, nd)
+            diff = [x for i, x in enumerate(args) if i not in nd]
+            impl = self._dynamic()
+            return self._call(lambda: impl(spec, spec.dynamic, *diff), args)
+        return self._call(lambda: jax.custom_vjp.__call__(self, *args), args)
