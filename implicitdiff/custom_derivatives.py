@@ -8,7 +8,7 @@ closed-over value that is being differentiated.
 
 The closure check runs only when a jvp/grad trace is active (a walk up the trace chain, well
 under a microsecond otherwise). It traces what JAX is about to run - the primal when no input
-carries a tangent, else the ``jvp``/``fwd`` rule - with :func:`jax.make_jaxpr`, passing every
+carries a tangent, else the ``jvp``/``fwd`` rule - with `jax.make_jaxpr`, passing every
 array explicitly, so the jaxpr constants are the closed-over values; one carrying a tangent is
 reported. A closure over the inputs of a ``jit``/``checkpoint`` placed between the ``grad`` and
 the call looks like an ordinary constant there, so JAX's own error is raised for it later.
@@ -211,8 +211,8 @@ class custom_jvp(_CustomBase, jax.custom_jvp[R]):
         applies ``stop_gradient`` to them).
       nondiff_argnames: the same, given by parameter name.
 
-    Returns:
-      A callable with ``defjvp(jvp, symbolic_zeros=False)`` and ``defjvps(*jvps)``.
+    The decorated object is callable like ``fun`` and has ``defjvp(jvp, symbolic_zeros=False)``
+    and ``defjvps(*jvps)``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -269,8 +269,8 @@ class custom_vjp(_CustomBase, jax.custom_vjp[R]):
         passed to JAX as ordinary inputs with a zero cotangent and saved as extra residuals.
       nondiff_argnames: the same, given by parameter name.
 
-    Returns:
-      A callable with ``defvjp(fwd, bwd, symbolic_zeros=False, optimize_remat=False)``.
+    The decorated object is callable like ``fun`` and has
+    ``defvjp(fwd, bwd, symbolic_zeros=False, optimize_remat=False)``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -313,16 +313,13 @@ class custom_vjp(_CustomBase, jax.custom_vjp[R]):
         symbolic_zeros: bool = False,
         optimize_remat: bool = False,
     ) -> None:
-        """Define the rule, exactly as :meth:`jax.custom_vjp.defvjp`.
+        """Define the rule, exactly as `jax.custom_vjp.defvjp`.
 
         Arguments:
           fwd: ``fwd(*args) -> (out, residuals)``.
           bwd: ``bwd(*nondiff_args, residuals, g) -> tuple`` of cotangents for the other args.
           symbolic_zeros: pass ``CustomVJPPrimal`` leaves to ``fwd`` and symbolic zeros to bwd.
           optimize_remat: JAX's experimental remat optimisation flag.
-
-        Returns:
-          None.
 
         Example:
           >>> f = custom_vjp(lambda x: x ** 2)

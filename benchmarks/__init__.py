@@ -1,0 +1,1 @@
+"""Benchmarks for implicitdiff (run as scripts or with `python -m benchmarks.<name>`)."""
