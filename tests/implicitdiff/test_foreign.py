@@ -14,16 +14,6 @@ import scipy.special
 from implicitdiff.foreign import Foreign, foreign, like
 
 
-@pytest.fixture
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", old)
-
-
 def fd_jacobian(f, x, eps=1e-6):
     """Central finite-difference Jacobian of f: R^n -> R^m (flattened), in float64."""
     x = np.asarray(x, np.float64)
