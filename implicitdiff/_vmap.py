@@ -87,6 +87,31 @@ class VmapOf(Primitive):
         axes_flat = tuple(res_tree.flatten_up_to(res_axes)) if res_tree.num_leaves else ()
         return (out, (res, Static(axes_flat)), *store["maybe"])
 
+    def lin(self, nzs_in, *args):
+        run = compat.vmap_infer_out_axes(
+            lambda *a: self.prim.lin(nzs_in, *a)[:2], self._in_axes, self.axis_data, self._out_axes
+        )
+        (out, res), res_axes = run(*args)
+        res_tree = jax.tree_util.tree_structure(res)
+        axes_flat = tuple(res_tree.flatten_up_to(res_axes)) if res_tree.num_leaves else ()
+        return out, (res, Static(axes_flat))
+
+    def linearized(self, res_, *tangents):
+        prim = self.prim
+        res, axes_flat = res_[0], res_[1].val
+        res_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(res), list(axes_flat))
+        t_flat = prim.in_tree.flatten_up_to(tangents)
+        nz = [not (t is None or isinstance(t, Zero)) for t in t_flat]
+        nz_t = [t for t, n in zip(t_flat, nz) if n]
+        nz_dims = [d for d, n in zip(self.in_dims, nz) if n]
+
+        def f(res, nz_t):
+            t = prim.linearized(res, *prim._fill_tangents(nz, nz_t))
+            return prim._flatten_out_tangents(t, "linearized")
+
+        t = self._vmap(f, (res_axes, nz_dims), list(self.out_dims))(res, nz_t)
+        return jax.tree_util.tree_unflatten(prim.out_tree, t)
+
     def vjp_bwd_retval(self, res_, g):
         prim = self.prim
         res, axes_flat = res_[0], res_[1].val

@@ -319,3 +319,16 @@ def test_jit_traces_once():
     for _ in range(3):
         g(jnp.ones(3))
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("entry", CATALOGUE, ids=lambda e: e.name)
+def test_linearize_of_vmap(entry):
+    xs = jnp.array([[0.3, -1.2, 2.0], [1.0, 0.5, -0.7]])
+    if not entry.fwd:
+        with pytest.raises(NotImplementedError):
+            jax.linearize(jax.vmap(entry.fn), xs)[1](xs)
+        return
+    y, f_lin = jax.linearize(jax.vmap(entry.fn), xs)
+    y_ref, f_ref = jax.linearize(jax.vmap(entry.ref), xs)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(f_lin(jnp.cos(xs)), f_ref(jnp.cos(xs)), rtol=1e-5, atol=1e-6)
