@@ -191,7 +191,13 @@ def _prim_batch(axis_data, args, dims, *, prim):
     return prim._rule_batch(axis_data, list(args), list(dims))
 
 
+def _prim_transpose(cts, *args, prim):
+    # Linear inputs arrive as cotangent accumulators (objects with `.accum`).
+    prim._rule_transpose(list(cts), list(args))
+
+
 prim_call_p.def_impl(_prim_impl)
+_ad.fancy_transposes[prim_call_p] = _prim_transpose
 prim_call_p.def_abstract_eval(_prim_abstract_eval)
 _ad.primitive_jvps[prim_call_p] = _prim_jvp
 _ad.primitive_linearizations[prim_call_p] = _prim_linearize

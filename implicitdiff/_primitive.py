@@ -731,6 +731,20 @@ class Primitive:
             "(or `jvp`)"
         )
 
+    def _rule_transpose(self, cts, args):
+        if not _overrides(type(self), "transpose"):
+            raise NotImplementedError(
+                f"for transpose support, subclass {type(self).__name__} must implement `transpose`"
+            )
+        none = self.transpose(
+            jax.tree_util.tree_unflatten(self.out_tree, cts), *self._unflatten_in(args)
+        )
+        if none is not None:
+            raise TypeError(
+                f"{type(self).__name__}.transpose must accumulate into the accumulators it is "
+                "given for its linear inputs and return None"
+            )
+
     def _rule_batch(self, axis_data, args, dims):
         cls = type(self)
         if all(d is None for d in dims):
