@@ -81,16 +81,16 @@ class VmapOf(Primitive):
             store["maybe"] = maybe
             return out, res
 
-        run = compat.vmap_infer_out_axes(fwd, self._in_axes, self.axis_data, self._out_axes)
-        (out, res), res_axes = run(*args)
-        res_tree = jax.tree_util.tree_structure(res)
-        axes_flat = tuple(res_tree.flatten_up_to(res_axes)) if res_tree.num_leaves else ()
-        return (out, (res, Static(axes_flat)), *store["maybe"])
+        out, res = self._map_with_residuals(fwd, args)
+        return (out, res, *store["maybe"])
 
     def lin(self, nzs_in, *args):
-        run = compat.vmap_infer_out_axes(
-            lambda *a: self.prim.lin(nzs_in, *a)[:2], self._in_axes, self.axis_data, self._out_axes
-        )
+        return self._map_with_residuals(lambda *a: self.prim.lin(nzs_in, *a)[:2], args)
+
+    def _map_with_residuals(self, fn, args):
+        """Map `fn(*args) -> (out, residuals)`; residuals keep their own batch axes,
+        recorded statically next to them as `(res, Static(axes))`."""
+        run = compat.vmap_infer_out_axes(fn, self._in_axes, self.axis_data, self._out_axes)
         (out, res), res_axes = run(*args)
         res_tree = jax.tree_util.tree_structure(res)
         axes_flat = tuple(res_tree.flatten_up_to(res_axes)) if res_tree.num_leaves else ()
@@ -98,8 +98,7 @@ class VmapOf(Primitive):
 
     def linearized(self, res_, *tangents):
         prim = self.prim
-        res, axes_flat = res_[0], res_[1].val
-        res_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(res), list(axes_flat))
+        res, res_axes = _unpack_residuals(res_)
         t_flat = prim.in_tree.flatten_up_to(tangents)
         nz = [not (t is None or isinstance(t, Zero)) for t in t_flat]
         nz_t = [t for t, n in zip(t_flat, nz) if n]
@@ -114,8 +113,7 @@ class VmapOf(Primitive):
 
     def vjp_bwd_retval(self, res_, g):
         prim = self.prim
-        res, axes_flat = res_[0], res_[1].val
-        res_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(res), list(axes_flat))
+        res, res_axes = _unpack_residuals(res_)
         g_flat = prim.out_tree.flatten_up_to(g)
         nz = [not (x is None or isinstance(x, Zero)) for x in g_flat]
         g_nz = [x for x, n in zip(g_flat, nz) if n]
@@ -154,3 +152,9 @@ def _one_element(res, res_axes, g_nz, g_dims):
     r = jax.tree_util.tree_map(take, res, res_axes, is_leaf=lambda x: x is None)
     g = [take(x, d) for x, d in zip(g_nz, g_dims)]
     return r, g
+
+
+def _unpack_residuals(res_):
+    """Inverse of `VmapOf._map_with_residuals`: `(res, residual batch axes as a pytree)`."""
+    res, axes_flat = res_[0], res_[1].val
+    return res, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(res), list(axes_flat))
