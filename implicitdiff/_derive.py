@@ -56,13 +56,7 @@ def _linear_structs(self: Primitive, nz: list[bool]) -> list[jax.ShapeDtypeStruc
 
 def _transpose(self: Primitive, nz: list[bool], lin_fn, g: Any) -> tuple[Any, ...]:
     """Transpose `lin_fn(*nonzero input tangents) -> flat output tangents` at `g`."""
-    g_flat = [
-        instantiate_zeros(x) if x is not None else None for x in self.out_tree.flatten_up_to(g)
-    ]
-    g_flat = [
-        compat.zeros_like_aval(compat.tangent_aval(a)) if x is None else x
-        for x, a in zip(g_flat, self.out_avals_flat)
-    ]
+    g_flat = self._flatten_out_tangents(g, "output cotangent")  # Zero / None -> zeros
     cts = jax.linear_transpose(lin_fn, *_linear_structs(self, nz))(g_flat)
     it = iter(cts)
     return tuple(self._unflatten_in([next(it) if n else None for n in nz]))

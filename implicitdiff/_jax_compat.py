@@ -42,13 +42,6 @@ try:  # the internals this module relies on (jax 0.10.x layout)
 except ImportError as e:  # pragma: no cover - only on an unsupported jax
     _IMPORT_ERROR = e
 
-try:  # pragma: no cover - optional, only used to report what is available
-    from jax.experimental import hijax as _hijax  # noqa: F401
-
-    HAS_HIJAX = True
-except ImportError:  # pragma: no cover
-    HAS_HIJAX = False
-
 
 def check_support() -> None:
     """Raise `RuntimeError` if this jax lacks the internals we rely on."""
@@ -79,11 +72,7 @@ check_support()
 # Types re-exported for users and for the rest of the package.
 
 Zero = _Zero
-AbstractValue = _core.AbstractValue
-ShapedArray = _core.ShapedArray
 Tracer = _core.Tracer
-AxisData = _batching.AxisData
-not_mapped = None
 
 
 def instantiate_zeros(x: Any) -> Any:

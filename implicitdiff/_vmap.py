@@ -59,10 +59,7 @@ class VmapOf(Primitive):
 
     def jvp(self, primals, tangents):
         prim = self.prim
-        t_flat = prim.in_tree.flatten_up_to(tangents)
-        nz = [not (t is None or isinstance(t, Zero)) for t in t_flat]
-        nz_t = [t for t, n in zip(t_flat, nz) if n]
-        nz_dims = [d for d, n in zip(self.in_dims, nz) if n]
+        nz, nz_t, nz_dims = _nonzero(prim.in_tree.flatten_up_to(tangents), self.in_dims)
 
         def f(primals, nz_t):
             out, t = prim.jvp(primals, prim._fill_tangents(nz, nz_t))
@@ -99,10 +96,7 @@ class VmapOf(Primitive):
     def linearized(self, res_, *tangents):
         prim = self.prim
         res, res_axes = _unpack_residuals(res_)
-        t_flat = prim.in_tree.flatten_up_to(tangents)
-        nz = [not (t is None or isinstance(t, Zero)) for t in t_flat]
-        nz_t = [t for t, n in zip(t_flat, nz) if n]
-        nz_dims = [d for d, n in zip(self.in_dims, nz) if n]
+        nz, nz_t, nz_dims = _nonzero(prim.in_tree.flatten_up_to(tangents), self.in_dims)
 
         def f(res, nz_t):
             t = prim.linearized(res, *prim._fill_tangents(nz, nz_t))
@@ -114,10 +108,7 @@ class VmapOf(Primitive):
     def vjp_bwd_retval(self, res_, g):
         prim = self.prim
         res, res_axes = _unpack_residuals(res_)
-        g_flat = prim.out_tree.flatten_up_to(g)
-        nz = [not (x is None or isinstance(x, Zero)) for x in g_flat]
-        g_nz = [x for x, n in zip(g_flat, nz) if n]
-        g_dims = [d for d, n in zip(self.out_dims, nz) if n]
+        nz, g_nz, g_dims = _nonzero(prim.out_tree.flatten_up_to(g), self.out_dims)
         produced: dict[str, list[bool]] = {}
 
         def bwd(res, g_nz):
@@ -158,3 +149,13 @@ def _unpack_residuals(res_):
     """Inverse of `VmapOf._map_with_residuals`: `(res, residual batch axes as a pytree)`."""
     res, axes_flat = res_[0], res_[1].val
     return res, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(res), list(axes_flat))
+
+
+def _nonzero(flat, dims):
+    """Split flat (co)tangents into (mask, the non-zero ones, their batch dims)."""
+    nz = [not (x is None or isinstance(x, Zero)) for x in flat]
+    return (
+        nz,
+        [x for x, n in zip(flat, nz) if n],
+        [d for d, n in zip(dims, nz) if n],
+    )
