@@ -13,6 +13,10 @@ The public names:
 - `custom_jvp`, `custom_vjp`: drop-ins for JAX's decorators with keyword arguments,
   `nondiff_argnames`, and array-valued non-differentiable arguments.
 - `foreign`: wrap a host (NumPy/SciPy/C) function with derivative and batching rules.
+- `custom_root`, `custom_linear_solve`: drop-ins for `jax.lax`'s, whose derivatives
+  come from the implicit function theorem.
+- `implicit_diff`: a decorator giving any solver implicit derivatives from its
+  optimality condition.
 """
 
 from ._derive import (
@@ -28,6 +32,9 @@ from ._primitive import NullAccum, Primitive, Static, Zero, instantiate_zeros
 from ._vmap import VmapOf
 from .custom_derivatives import custom_jvp, custom_vjp
 from .foreign import Foreign, foreign, like
+from .implicit import implicit_diff
+from .linear_system import custom_linear_solve
+from .root import custom_root
 
 __version__ = "0.1.0"
 
@@ -50,4 +57,7 @@ __all__ = [
     "foreign",
     "Foreign",
     "like",
+    "custom_root",
+    "custom_linear_solve",
+    "implicit_diff",
 ]

@@ -32,11 +32,14 @@ import jax
 import numpy as np
 
 try:  # the internals this module relies on (jax 0.10.x layout)
+    from jax._src import api_util as _api_util
     from jax._src import core as _core
+    from jax._src import linear_util as _lu
     from jax._src.ad_util import Zero as _Zero
     from jax._src.interpreters import ad as _ad
     from jax._src.interpreters import batching as _batching
     from jax._src.interpreters import mlir as _mlir
+    from jax._src.interpreters import partial_eval as _pe
 
     _IMPORT_ERROR: Exception | None = None
 except ImportError as e:  # pragma: no cover - only on an unsupported jax
@@ -285,3 +288,42 @@ def carries_tangent(x: Any) -> bool:
         return True
     contents = getattr(x, "_contents", None)
     return callable(contents) and any(carries_tangent(v) for _, v in contents())
+
+
+# ---------------------------------------------------------------------------
+# Closure conversion for higher-order primitives (custom_root, custom_linear_solve).
+
+
+def closure_convert(fun: Callable, *example_args: Any) -> tuple[Callable, list[Any], Any]:
+    """Trace `fun` at the types of `example_args` and hoist every traced constant.
+
+    Returns `(converted, consts, out_tree)` where `converted(consts, *args)` is
+    `fun(*args)` and `consts` lists every Tracer `fun` closed over (whatever its
+    dtype), so a primitive can take them as explicit inputs: differentiating,
+    batching or staging them then goes through the primitive's rules rather
+    than leaking into a jaxpr. Concrete constants stay inside the jaxpr.
+    (`jax.closure_convert` hoists only float tracers, which would leave e.g. a
+    batched integer index behind.)
+    """
+    flat_args, in_tree = jax.tree_util.tree_flatten(example_args)
+    avals = [_core.typeof(x) for x in flat_args]
+    debug = _api_util.debug_info("implicitdiff", fun, example_args, {})
+    wrapped, out_tree_thunk = _api_util.flatten_fun_nokwargs(
+        _lu.wrap_init(fun, debug_info=debug), in_tree
+    )
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, avals)
+    out_tree = out_tree_thunk()
+    is_traced = [isinstance(c, _core.Tracer) for c in consts]
+    hoisted = [c for c, t in zip(consts, is_traced) if t]
+    kept = [c for c, t in zip(consts, is_traced) if not t]
+
+    def converted(hoisted_vals: Sequence[Any], *args: Any) -> Any:
+        it_h, it_k = iter(hoisted_vals), iter(kept)
+        all_consts = [next(it_h) if t else next(it_k) for t in is_traced]
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != in_tree:
+            raise TypeError(f"expected arguments of structure {in_tree}, got {tree}")
+        out = _core.eval_jaxpr(jaxpr, all_consts, *leaves)
+        return jax.tree_util.tree_unflatten(out_tree, out)
+
+    return converted, hoisted, out_tree

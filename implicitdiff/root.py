@@ -1,0 +1,188 @@
+"""`custom_root`: differentiate the root of `f` through the implicit function theorem.
+
+Let `x*(theta)` solve `f_theta(x) = 0`, where `theta` stands for every
+differentiated value `f` closes over. Differentiating the identity
+`f_theta(x*(theta)) = 0` gives
+
+    J dx + (d f / d theta) dtheta = 0,     J = d f / d x at x*,
+
+so the tangent is `dx = -J^{-1} (df/dtheta dtheta)` (one `tangent_solve`), and
+the cotangent is `theta_bar = -(df/dtheta)^T w` with `w = J^{-T} g` (one
+transposed `tangent_solve`). Neither looks inside `solve`: the iterations that
+found the root are never differentiated, and the initial guess and the
+values only `solve` uses get zero derivative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _jax_compat as compat
+from ._primitive import Primitive, Zero
+
+__all__ = ["custom_root"]
+
+
+def custom_root(
+    f: Callable[[Any], Any],
+    initial_guess: Any,
+    solve: Callable[[Callable[[Any], Any], Any], Any],
+    tangent_solve: Callable[[Callable[[Any], Any], Any], Any],
+    has_aux: bool = False,
+) -> Any:
+    """Find a root of `f` with `solve`, differentiating by the implicit function theorem.
+
+    Same signature and semantics as `jax.lax.custom_root`: code written for it
+    runs unchanged. `f` may close over values that are being differentiated;
+    their derivatives are the implicit ones.
+
+    Arguments:
+        f: the function whose root is sought; maps a pytree shaped like
+            `initial_guess` to one of the same structure, shapes and dtypes.
+        initial_guess: the starting point handed to `solve` (it gets zero derivative).
+        solve: `solve(f, initial_guess) -> root` (or `(root, aux)` when
+            `has_aux`), any procedure: Newton, bisection, a call to another library.
+        tangent_solve: `tangent_solve(g, y) -> x` solving the linear system
+            `g(x) = y`, where `g` is the Jacobian of `f` at the root as a linear
+            function. For a scalar root `lambda g, y: y / g(1.0)` does; for vectors
+            use a solver from `implicitdiff.linear_solve` or a
+            `custom_linear_solve`. Reverse mode transposes it, so it must be
+            linear in `y` and transposable (the `linear_solve` solvers are).
+        has_aux: `solve` returns `(root, aux)`; `aux` is returned as well and
+            gets no derivative.
+
+    Returns:
+        The root, with the structure of `initial_guess`; `(root, aux)` when `has_aux`.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from implicitdiff import custom_root
+
+        def sqrt(a):
+            f = lambda x: x**2 - a
+
+            def newton(f, x):
+                for _ in range(20):
+                    x = x - f(x) / (2 * x)
+                return x
+
+            return custom_root(f, 1.0, newton, lambda g, y: y / g(1.0))
+
+        print(sqrt(2.0))            # 1.4142135
+        print(jax.grad(sqrt)(2.0))  # 0.35355338 = 1 / (2 sqrt(2))
+        ```
+    """
+    guess_leaves, guess_tree = jax.tree_util.tree_flatten(initial_guess)
+    guess_avals = [compat.typeof(x) for x in guess_leaves]
+    for name in ("solve", "tangent_solve"):
+        fn = solve if name == "solve" else tangent_solve
+        if not callable(fn):
+            raise TypeError(f"custom_root: `{name}` must be callable, got {fn!r}")
+
+    f_conv, f_consts, f_tree = compat.closure_convert(f, initial_guess)
+    _check_like_guess("f", "f(initial_guess)", f_conv, f_consts, initial_guess, guess_avals, False)
+    s_conv, s_consts, _ = compat.closure_convert(lambda x: solve(f, x), initial_guess)
+    _check_like_guess(
+        "solve", "solve(f, initial_guess)", s_conv, s_consts, initial_guess, guess_avals, has_aux
+    )
+
+    def linearize_and_solve(x, y):
+        _, f_jvp = jax.linearize(f, x)
+        return tangent_solve(f_jvp, y)
+
+    ls_conv, ls_consts, _ = compat.closure_convert(
+        linearize_and_solve, initial_guess, initial_guess
+    )
+    _check_like_guess(
+        "tangent_solve",
+        "tangent_solve(g, y)",
+        lambda c, x: ls_conv(c, x, x),
+        ls_consts,
+        initial_guess,
+        guess_avals,
+        False,
+    )
+    return _Root.apply(
+        f_consts,
+        s_consts,
+        ls_consts,
+        initial_guess,
+        f=f_conv,
+        solve=s_conv,
+        linearize_and_solve=ls_conv,
+        has_aux=bool(has_aux),
+    )
+
+
+def _check_like_guess(name, what, fn, consts, guess, guess_avals, has_aux):
+    out = jax.eval_shape(fn, consts, guess)
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"custom_root: with has_aux=True, `{name}` must return a pair (root, aux), "
+                f"got {jax.tree_util.tree_structure(out)}"
+            )
+        out = out[0]
+    guess_tree = jax.tree_util.tree_structure(guess)
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    if tree != guess_tree:
+        raise TypeError(
+            f"custom_root: {what} must have the pytree structure of `initial_guess`, "
+            f"got {tree} and {guess_tree}"
+        )
+    for i, (o, a) in enumerate(zip(leaves, guess_avals)):
+        if tuple(o.shape) != tuple(a.shape) or o.dtype != a.dtype:
+            raise TypeError(
+                f"custom_root: {what} must match `initial_guess` in shape and dtype, but "
+                f"leaf {i} is {o.dtype}{list(o.shape)} where `initial_guess` has "
+                f"{a.str_short()}"
+            )
+
+
+class _Root(Primitive):
+    """`x* = solve(f, x0)` with implicit derivative rules.
+
+    Inputs: `(f_consts, solve_consts, tangent_solve_consts, initial_guess)`;
+    only `f_consts` have nonzero derivatives. Output: `x*` or `(x*, aux)`.
+    """
+
+    def _root(self, out):
+        return out[0] if self.has_aux else out
+
+    def _with_aux_tangent(self, out, dx):
+        if self.has_aux:
+            return out, (dx, jax.tree_util.tree_map(jnp.zeros_like, out[1]))
+        return out, dx
+
+    def expand(self, fc, sc, lc, x0):
+        return self.solve(sc, x0)
+
+    def jvp(self, primals, tangents):
+        fc, sc, lc, x0 = primals
+        dfc = tangents[0]
+        out = self(*primals)
+        x = self._root(out)
+        _, rhs = jax.jvp(lambda c: self.f(c, x), (fc,), (dfc,))
+        dx = jax.tree_util.tree_map(jnp.negative, self.linearize_and_solve(lc, x, rhs))
+        return self._with_aux_tangent(out, dx)
+
+    def vjp_fwd(self, nzs_in, fc, sc, lc, x0):
+        out = self(fc, sc, lc, x0)
+        return out, (fc, lc, self._root(out))
+
+    def vjp_bwd_retval(self, res, g):
+        fc, lc, x = res
+        gx = self._root(g) if self.has_aux else g
+        if all(isinstance(t, Zero) for t in jax.tree_util.tree_leaves(gx)):
+            return None, None, None, None
+        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx)
+        # w = J^{-T} g: transpose the tangent solve (linear in its right-hand side).
+        (w,) = jax.linear_transpose(lambda y: self.linearize_and_solve(lc, x, y), x)(gx)
+        _, pullback = jax.vjp(lambda c: self.f(c, x), fc)
+        (ct_fc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
+        return ct_fc, None, None, None
