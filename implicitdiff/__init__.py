@@ -17,8 +17,13 @@ The public names:
   come from the implicit function theorem.
 - `implicit_diff`: a decorator giving any solver implicit derivatives from its
   optimality condition.
+- `linear_solve`: linear solvers for the tangent and adjoint systems (`dense`,
+  `cg`, `normal_cg`, `gmres`, `bicgstab`, `neumann`, `auto`).
+- `check_grads` (and the `gradcheck` module behind `implicitdiff-gradcheck`):
+  derivative checks against finite differences and an independent reference.
 """
 
+from . import gradcheck, linear_solve
 from ._derive import (
     apply_derived_linearization,
     jvp_from_lin,
@@ -32,6 +37,7 @@ from ._primitive import NullAccum, Primitive, Static, Zero, instantiate_zeros
 from ._vmap import VmapOf
 from .custom_derivatives import custom_jvp, custom_vjp
 from .foreign import Foreign, foreign, like
+from .gradcheck import check_grads
 from .implicit import implicit_diff
 from .linear_system import custom_linear_solve
 from .root import custom_root
@@ -60,4 +66,7 @@ __all__ = [
     "custom_root",
     "custom_linear_solve",
     "implicit_diff",
+    "linear_solve",
+    "check_grads",
+    "gradcheck",
 ]

@@ -182,7 +182,17 @@ class _Root(Primitive):
             return None, None, None, None
         gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx)
         # w = J^{-T} g: transpose the tangent solve (linear in its right-hand side).
-        (w,) = jax.linear_transpose(lambda y: self.linearize_and_solve(lc, x, y), x)(gx)
+        try:
+            (w,) = jax.linear_transpose(lambda y: self.linearize_and_solve(lc, x, y), x)(gx)
+        except NotImplementedError as e:
+            raise NotImplementedError(
+                "custom_root: reverse mode transposes `tangent_solve` (it must be linear in "
+                "its right-hand side and made of transposable operations), and that failed: "
+                f"{e}. Use a solver from implicitdiff.linear_solve or wrap yours in "
+                "implicitdiff.custom_linear_solve with a transpose_solve. (In jax 0.10.2, "
+                "jax.lax.custom_linear_solve, which jax.scipy.sparse.linalg's solvers use, "
+                "cannot be transposed.)"
+            ) from e
         _, pullback = jax.vjp(lambda c: self.f(c, x), fc)
         (ct_fc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
         return ct_fc, None, None, None

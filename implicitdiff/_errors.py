@@ -1,0 +1,228 @@
+"""Raising errors from inside compiled JAX code.
+
+`error_if(x, pred, msg)` returns `x` unchanged and raises when `pred` holds at run time,
+even under `jax.jit`, `jax.vmap`, differentiation and inside loop bodies.
+
+How it works:
+
+- When `pred` is an ordinary (non-traced) value the check happens immediately, in Python.
+- Otherwise `pred` is reduced to one boolean. A `jax.custom_batching.custom_vmap` rule
+  folds any `vmap` batch dimensions into that boolean as well ("does *any* batch element
+  fail?"), so the next step stays a real branch rather than becoming a `select`.
+- A `lax.cond` on that boolean passes `x` straight through when nothing failed (no copy to
+  the host). On failure it runs a `jax.pure_callback` that receives `pred`, the message
+  values and the leaves of `x`, and raises on the host. Because the leaves
+  of `x` are routed through the branch, the check is part of the data flow of the returned
+  value and cannot be removed as dead code, as long as the caller uses the result.
+- The whole thing is a `jax.custom_jvp` whose tangent rule is the identity, so tangents of
+  `x` flow through untouched and the check lives on the primal path only (forward mode,
+  reverse mode, `linearize` and higher orders alike).
+
+What the user sees:
+
+- Eagerly (concrete `pred`): `ImplicitDiffRuntimeError`, a `RuntimeError` subclass, with
+  exactly the message.
+- From compiled code, JAX re-raises the host exception as its own error whose text holds
+  the host traceback and ends in `ImplicitDiffRuntimeError: <msg>`. The class is
+  `jax.errors.JaxRuntimeError` (a `RuntimeError` subclass) on the first call of a jitted
+  function, but a call served from jit's C++ fast path (typically any call after a
+  successful one) raises a plain `ValueError` with the same text (seen with jax 0.10.2;
+  jax-ml/jax#34083, a regression since jax 0.7.2). So
+  catch `(RuntimeError, ValueError)` and look for the message.
+- JAX logs every exception raised in a `pure_callback` with a traceback; this module
+  installs a logging filter that drops those records for its own errors only.
+- On GPU the callback runs on the host just the same and the error surfaces when the
+  results are fetched (not tested on a GPU here). TPU runtimes do not propagate callback
+  exceptions, so there the check is not reliable.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["error_if", "ImplicitDiffRuntimeError"]
+
+
+class ImplicitDiffRuntimeError(RuntimeError):
+    """Raised by a failed `error_if` check (on the host, or eagerly)."""
+
+
+class _DropOurCallbackLogs(logging.Filter):
+    """JAX logs every exception raised inside a `pure_callback` with a full traceback
+    before re-raising it. For our checks the raised error already carries the message,
+    so drop that duplicate log record; other callbacks' records are kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, ImplicitDiffRuntimeError)
+
+
+logging.getLogger("jax._src.callback").addFilter(_DropOurCallbackLogs())
+
+
+@jax.custom_batching.custom_vmap
+def _any_over_batch(pred: jax.Array) -> jax.Array:
+    """Identity on a scalar bool; under `vmap` returns whether any batch element is True."""
+    return pred
+
+
+@_any_over_batch.def_vmap
+def _any_over_batch_rule(axis_size, in_batched, pred):
+    del axis_size
+    (batched,) = in_batched
+    if batched:
+        pred = jnp.any(pred, axis=0)
+    # Calling ourselves again lets an enclosing vmap (if any) collapse its own axis too.
+    return _any_over_batch(pred), False
+
+
+def _format_message(msg: str, names: tuple[str, ...], pred: np.ndarray, values) -> str:
+    """Build the error text on the host; `pred` and `values` share a (possibly empty) batch
+    shape, and the values of the first failing batch element are substituted."""
+    pred = np.asarray(pred)
+    index = tuple(int(i) for i in np.argwhere(pred)[0]) if pred.ndim else ()
+    if names:
+        picked = {}
+        for name, value in zip(names, values):
+            value = np.asarray(value)
+            value = value[index] if pred.ndim else value
+            picked[name] = value.item() if value.size == 1 else value
+        try:
+            text = msg.format(**picked)
+        except (KeyError, IndexError, ValueError, TypeError):
+            text = f"{msg} (values: {picked})"
+    else:
+        text = msg
+    if pred.ndim:
+        text += f"\n(first failing element of a vmap batch of shape {pred.shape}: {index})"
+    return text
+
+
+def _host_check(static, pred, values, leaves):
+    msg, names = static
+    pred = np.asarray(pred)
+    if np.any(pred):
+        raise ImplicitDiffRuntimeError(_format_message(msg, names, pred, values))
+    return tuple(np.asarray(leaf) for leaf in leaves)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _checked(static, pred, values, leaves):
+    any_failed = _any_over_batch(jnp.any(pred))
+
+    def fail(pred, values, leaves):
+        shapes = tuple(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves)
+        return jax.pure_callback(
+            functools.partial(_host_check, static),
+            shapes,
+            pred,
+            values,
+            leaves,
+            vmap_method="broadcast_all",
+        )
+
+    def ok(pred, values, leaves):
+        del pred, values
+        return tuple(leaves)
+
+    return lax.cond(any_failed, fail, ok, jnp.any(pred), values, tuple(leaves))
+
+
+@_checked.defjvp
+def _checked_jvp(static, primals, tangents):
+    pred, values, leaves = primals
+    _, _, leaf_dots = tangents
+    return _checked(static, pred, values, leaves), tuple(leaf_dots)
+
+
+def _is_traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def error_if(x: Any, pred: Any, msg: str, *, values: Mapping[str, Any] | None = None) -> Any:
+    """Return `x` unchanged, raising an error at run time if any element of `pred` is True.
+
+    Works eagerly and under `jax.jit`, `jax.vmap` (a batched `pred` raises if any batch
+    element is True), `jax.grad`/`jax.jvp`/`jax.linearize` and higher-order derivatives
+    (tangents of `x` pass straight through), and inside `lax.scan`/`lax.while_loop` bodies.
+
+    The check is attached to the returned value: use the result in place of `x`, otherwise
+    a compiler may drop the check along with the unused output.
+
+    Arguments:
+        x: a pytree of arrays (Python scalars are converted to arrays). Must contain at
+            least one array leaf.
+        pred: a boolean array (any shape) or Python/NumPy bool. If it is not traced, the
+            check runs immediately in Python.
+        msg: the error message. If `values` is given, it is a `str.format` template whose
+            fields are filled with the run-time values, e.g. `"residual {res:.2e}"`.
+        values: optional mapping from names to scalar arrays (one number per batch element
+            under `vmap`) shown in the message. Under `vmap` the values of the first
+            failing batch element are used, and the batch index is appended.
+
+    Returns:
+        `x`, with the same structure and values: `x` itself when `pred` is concrete and
+        False, otherwise with its leaves as JAX arrays.
+
+    Raises:
+        ImplicitDiffRuntimeError: eagerly, when `pred` is concrete and True (a
+            `RuntimeError`). From compiled code the error arrives as
+            `jax.errors.JaxRuntimeError` (a `RuntimeError`) or, on jit's cached fast path,
+            as `ValueError`; in both cases the text contains `msg` (see the module notes).
+        TypeError: if `pred` is not boolean, `msg` is not a string, or `x` has no arrays.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from implicitdiff._errors import error_if
+
+        @jax.jit
+        def safe_sqrt(x):
+            x = error_if(x, x < 0, "safe_sqrt: negative input")
+            return jnp.sqrt(x)
+
+        safe_sqrt(jnp.array([1.0, 4.0]))  # [1. 2.]
+        # safe_sqrt(jnp.array([-1.0]))    # raises: ... safe_sqrt: negative input
+        ```
+    """
+    if not isinstance(msg, str):
+        raise TypeError(f"error_if: `msg` must be a str, got {type(msg).__name__}.")
+    values = dict(values or {})
+    names = tuple(values)
+    value_list = tuple(jnp.asarray(v) if _is_traced(v) else np.asarray(v) for v in values.values())
+
+    if not _is_traced(pred):
+        pred_np = np.asarray(pred)
+        if pred_np.dtype != np.bool_:
+            raise TypeError(
+                f"error_if: `pred` must be boolean, got dtype {pred_np.dtype}; "
+                "pass a comparison such as `x < 0`."
+            )
+        if not pred_np.any():
+            return x
+        if not any(_is_traced(v) for v in value_list):
+            raise ImplicitDiffRuntimeError(_format_message(msg, names, np.bool_(True), value_list))
+    elif jnp.result_type(pred) != jnp.bool_:
+        raise TypeError(
+            f"error_if: `pred` must be boolean, got dtype {jnp.result_type(pred)}; "
+            "pass a comparison such as `x < 0`."
+        )
+
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if not leaves:
+        raise TypeError(
+            "error_if: `x` must contain at least one array, since the check is attached to "
+            "the returned value."
+        )
+    leaves = tuple(jnp.asarray(leaf) for leaf in leaves)
+    value_list = tuple(jnp.asarray(v) for v in value_list)
+    out = _checked((msg, names), jnp.asarray(pred), value_list, leaves)
+    return jax.tree_util.tree_unflatten(treedef, list(out))

@@ -1,0 +1,5 @@
+"""`python -m implicitdiff.gradcheck`: run the gradient-check catalogue."""
+
+from ._catalogue import main
+
+raise SystemExit(main())

@@ -1,0 +1,430 @@
+"""The gradient-check catalogue and its command line (`implicitdiff-gradcheck`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._check import GradCheckError, GradCheckRow, check_grads, format_table
+
+__all__ = ["Problem", "register", "problems", "main", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "implicitdiff.gradcheck"
+
+# ---------------------------------------------------------------------------
+# The problem catalogue.
+
+_BuildResult = (
+    tuple[Callable[..., Any], tuple[Any, ...]]
+    | tuple[Callable[..., Any], tuple[Any, ...], Callable[..., Any] | None]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A named derivative check for the command line.
+
+    Attributes:
+        name: unique name, used by ``-k``.
+        build: zero-argument callable returning ``(fn, args)`` or
+            ``(fn, args, reference)``; called only when the problem runs, so that
+            defining a catalogue is cheap (put imports of heavy modules inside it).
+            The command line enables ``jax_enable_x64`` before calling it.
+        order: highest derivative order to check (``--order`` overrides it).
+        modes: the modes to check, as in `check_grads`.
+        description: one line shown by ``--list``.
+        atol, rtol, eps, jit: passed on to `check_grads`.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from implicitdiff.gradcheck import Problem, register
+
+        register(Problem("tanh", lambda: (jnp.tanh, (jnp.linspace(-1.0, 1.0, 5),)),
+                         description="elementwise tanh"))
+        ```
+    """
+
+    name: str
+    build: Callable[[], _BuildResult]
+    order: int = 2
+    modes: tuple[str, ...] = ("fwd", "rev")
+    description: str = ""
+    atol: float | Mapping[str, float] | None = None
+    rtol: float | Mapping[str, float] | None = None
+    eps: float | None = None
+    jit: bool = True
+
+    def run(self, *, order: int | None = None) -> list[GradCheckRow]:
+        """Build the problem and run `check_grads` on it (raises like `check_grads`)."""
+        built = self.build()
+        if len(built) == 2:
+            fn, args = built
+            ref = None
+        else:
+            fn, args, ref = built
+        return check_grads(
+            fn,
+            args,
+            order=self.order if order is None else order,
+            modes=self.modes,
+            atol=self.atol,
+            rtol=self.rtol,
+            eps=self.eps,
+            reference=ref,
+            jit=self.jit,
+        )
+
+
+_REGISTERED: dict[str, Problem] = {}
+
+
+def register(problem: Problem) -> Problem:
+    """Add `problem` to the catalogue of this process (returns it).
+
+    Raises:
+        ValueError: if a built-in or registered problem already has its name.
+    """
+    if not isinstance(problem, Problem):
+        raise TypeError(f"register expects a Problem, got {type(problem).__name__}")
+    if problem.name in _REGISTERED or any(p.name == problem.name for p in _builtin_problems()):
+        raise ValueError(f"a gradcheck problem named {problem.name!r} already exists")
+    _REGISTERED[problem.name] = problem
+    return problem
+
+
+def _entry_point_problems(warnings: list[str]) -> list[Problem]:
+    from importlib.metadata import entry_points
+
+    found: list[Problem] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            provider = ep.load()
+            items = list(provider())
+            bad = [x for x in items if not isinstance(x, Problem)]
+            if bad:
+                raise TypeError(f"returned {type(bad[0]).__name__}, not Problem")
+        except Exception as e:
+            warnings.append(f"entry point {ep.name!r} ({ep.value}): {type(e).__name__}: {e}")
+            continue
+        found.extend(items)
+    return found
+
+
+def problems(*, entry_points: bool = True, warnings: list[str] | None = None) -> list[Problem]:
+    """The catalogue: built-in problems, then registered ones, then entry-point ones.
+
+    Arguments:
+        entry_points: also load the problems that installed packages publish under the
+            entry-point group ``implicitdiff.gradcheck`` (each entry point loads to a
+            callable returning a list of `Problem`s).
+        warnings: if given, a list that receives one message per entry point that
+            failed to load and per duplicate name skipped (otherwise they are ignored).
+
+    Returns:
+        The problems, names unique (on a clash the first one wins).
+    """
+    sink: list[str] = [] if warnings is None else warnings
+    out: list[Problem] = []
+    seen: set[str] = set()
+    candidates = [*_builtin_problems(), *_REGISTERED.values()]
+    if entry_points:
+        candidates += _entry_point_problems(sink)
+    for p in candidates:
+        if p.name in seen:
+            sink.append(f"duplicate gradcheck problem name {p.name!r}: skipped")
+            continue
+        seen.add(p.name)
+        out.append(p)
+    return out
+
+
+# Built-in problems. Each build() imports the implicit-differentiation entry points
+# lazily, so that importing this module does not need them.
+
+
+def _newton(f: Callable[[jax.Array], jax.Array], x0: jax.Array) -> jax.Array:
+    """Elementwise Newton iteration for f(x) = 0 (f acts elementwise), to machine precision."""
+    tiny = 4 * jnp.finfo(jnp.result_type(x0)).eps
+
+    def cond(state):
+        i, _, dx = state
+        return (i < 100) & jnp.any(dx > 0)
+
+    def body(state):
+        i, x, _ = state
+        fx, dfx = jax.jvp(f, (x,), (jnp.ones_like(x),))
+        x_new = x - fx / dfx
+        dx = jnp.where(jnp.abs(x_new - x) > tiny * jnp.abs(x_new), 1.0, 0.0)
+        return i + 1, x_new, dx
+
+    _, x, _ = jax.lax.while_loop(cond, body, (0, x0, jnp.ones_like(x0)))
+    return x
+
+
+def _diagonal_tangent_solve(g: Callable[[jax.Array], jax.Array], y: jax.Array) -> jax.Array:
+    # g is linear and elementwise (diagonal): its diagonal is g(1).
+    return y / g(jnp.ones_like(y))
+
+
+def _build_newton_sqrt() -> _BuildResult:
+    from implicitdiff.root import custom_root
+
+    def newton_sqrt(a):
+        return custom_root(lambda x: x**2 - a, jnp.ones_like(a), _newton, _diagonal_tangent_solve)
+
+    return newton_sqrt, (jnp.array([0.5, 2.0, 9.0]),), jnp.sqrt
+
+
+def _build_root_y2_x3() -> _BuildResult:
+    from implicitdiff.root import custom_root
+
+    def y_of_x(x):
+        # the positive root y of y**2 - x**3 = 0, Newton from y0 = x
+        return custom_root(lambda y: y**2 - x**3, x, _newton, _diagonal_tangent_solve)
+
+    return y_of_x, (jnp.array([0.7, 1.3, 2.0]),), lambda x: x**1.5
+
+
+def _cg(matvec: Callable[[jax.Array], jax.Array], b: jax.Array, x0: jax.Array) -> jax.Array:
+    """Plain conjugate gradients for a symmetric positive definite `matvec`, to ~1e-14."""
+    stop = (1e-14 * jnp.linalg.norm(b)) ** 2
+
+    def body(state):
+        i, x, r, p, rr = state
+        Ap = matvec(p)
+        alpha = rr / jnp.vdot(p, Ap)
+        x, r = x + alpha * p, r - alpha * Ap
+        rr_new = jnp.vdot(r, r)
+        return i + 1, x, r, r + (rr_new / rr) * p, rr_new
+
+    r0 = b - matvec(x0)
+    state = (0, x0, r0, r0, jnp.vdot(r0, r0))
+    cond = lambda state: (state[0] < 10 * b.size) & (state[4] > stop)
+    return jax.lax.while_loop(cond, body, state)[1]
+
+
+def _build_ridge() -> _BuildResult:
+    from implicitdiff import linear_solve
+    from implicitdiff.implicit import implicit_diff
+
+    rng = np.random.default_rng(0)
+    n, d = 8, 3
+    X = jnp.asarray(rng.standard_normal((n, d)))
+    y = jnp.asarray(rng.standard_normal(n))
+    lam = jnp.asarray(0.3)
+
+    def optimality(w, lam, X, y):  # gradient of the ridge objective
+        return X.T @ (X @ w - y) / X.shape[0] + lam * w
+
+    @implicit_diff(optimality, solve=functools.partial(linear_solve.cg, rtol=1e-13))
+    def ridge_solver(init, lam, X, y):
+        # conjugate gradients on the normal equations; implicit_diff never differentiates it
+        n = X.shape[0]
+        return _cg(lambda w: X.T @ (X @ w) / n + lam * w, X.T @ y / n, init)
+
+    def ridge(lam, X, y):
+        return ridge_solver(jnp.zeros(X.shape[1], X.dtype), lam, X, y)
+
+    def closed_form(lam, X, y):
+        n, d = X.shape
+        return jnp.linalg.solve(X.T @ X + lam * n * jnp.eye(d, dtype=X.dtype), X.T @ y)
+
+    return ridge, (lam, X, y), closed_form
+
+
+def _build_linear_system() -> _BuildResult:
+    from implicitdiff.linear_system import custom_linear_solve
+
+    rng = np.random.default_rng(1)
+    A = jnp.asarray(rng.standard_normal((4, 4)) + 4.0 * np.eye(4))
+    b = jnp.asarray(rng.standard_normal(4))
+
+    def dense_solve(matvec, rhs):
+        # a direct solver that sees A only through matvec: materialise it, then LU
+        matrix = jax.jacfwd(matvec)(jnp.zeros_like(rhs))
+        return jnp.linalg.solve(matrix, rhs)
+
+    def linear_system(A, b):
+        return custom_linear_solve(lambda x: A @ x, b, dense_solve, transpose_solve=dense_solve)
+
+    return linear_system, (A, b), jnp.linalg.solve
+
+
+def _builtin_problems() -> tuple[Problem, ...]:
+    return (
+        Problem(
+            "newton-sqrt",
+            _build_newton_sqrt,
+            description="sqrt(a) as the root of x**2 - a: custom_root + Newton, vs jnp.sqrt",
+        ),
+        Problem(
+            "root-y2-x3",
+            _build_root_y2_x3,
+            description="y with y**2 = x**3: custom_root + Newton, vs x**1.5",
+        ),
+        Problem(
+            "ridge-regression",
+            _build_ridge,
+            description="ridge weights w.r.t. (lam, X, y): implicit_diff + CG, vs closed form",
+        ),
+        Problem(
+            "linear-system",
+            _build_linear_system,
+            description="A^-1 b w.r.t. (A, b): custom_linear_solve + LU, vs jnp.linalg.solve",
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    lowered = name.lower()
+    for pat in patterns:
+        p = pat.lower()
+        if p in lowered or fnmatch.fnmatchcase(lowered, p):
+            return True
+    return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the derivative checks of the catalogue and print one summary table.
+
+    Arguments:
+        argv: command-line arguments without the program name (default:
+            ``sys.argv[1:]``). Options: ``--list``; ``-k PATTERN`` (repeatable: run
+            the problems whose name contains PATTERN or matches it as a glob,
+            case-insensitively); ``--order N``; ``--markdown``; ``--output FILE``.
+
+    Prints one progress line per problem to stderr (with the traceback of a problem
+    that raised), then the table of all checks and a line
+    ``N problems, M checks, K failed`` to stdout (and to ``--output``). Runs in
+    float64: ``jax_enable_x64`` is switched on for the run and restored afterwards.
+
+    Returns:
+        0 if every check passed; 1 if any failed, a problem raised, or the
+        catalogue was incomplete (an entry point that failed to load, a duplicate
+        name; ``--list`` still returns 0 then, with warnings on stderr); 2 for a
+        usage error (a bad option, a ``-k`` that selects nothing, an ``--output``
+        in a missing directory).
+
+    Example:
+        ```python
+        from implicitdiff.gradcheck import main
+
+        main(["--list"])
+        ```
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="implicitdiff-gradcheck",
+        description="Check derivatives of implicit-differentiation problems against "
+        "finite differences and reference implementations (float64).",
+    )
+    parser.add_argument("--list", action="store_true", help="list the problems and exit")
+    parser.add_argument(
+        "-k",
+        dest="patterns",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run the problems whose name contains PATTERN or matches it as a glob (repeatable)",
+    )
+    parser.add_argument("--order", type=int, default=None, help="highest derivative order")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--output", metavar="FILE", help="also write the table to FILE")
+    try:
+        opts = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors, 0 for --help
+        return e.code if isinstance(e.code, int) else 2
+    if opts.order is not None and opts.order < 1:
+        print("implicitdiff-gradcheck: error: --order must be >= 1", file=sys.stderr)
+        return 2
+    if opts.output and not os.path.isdir(os.path.dirname(os.path.abspath(opts.output))):
+        print(f"implicitdiff-gradcheck: error: no directory for {opts.output}", file=sys.stderr)
+        return 2
+
+    warnings: list[str] = []
+    catalogue = problems(warnings=warnings)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+
+    if opts.list:
+        width = max((len(p.name) for p in catalogue), default=0)
+        for p in catalogue:
+            print(f"{p.name.ljust(width)}  {p.description}".rstrip())
+        return 0
+
+    selected = [p for p in catalogue if not opts.patterns or _matches(p.name, opts.patterns)]
+    if not selected:
+        print(
+            f"implicitdiff-gradcheck: error: no problem matches {' or '.join(opts.patterns)!r}"
+            " (see --list)",
+            file=sys.stderr,
+        )
+        return 2
+
+    old_x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    rows: list[GradCheckRow] = []
+    names: list[str] = []
+    errors: list[str] = []
+    try:
+        for i, p in enumerate(selected, 1):
+            print(f"[{i}/{len(selected)}] {p.name} ...", end=" ", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            try:
+                result = p.run(order=opts.order)
+                status = "ok"
+            except GradCheckError as e:
+                result = e.rows
+                status = "FAILED"
+            except Exception as e:  # a broken problem is reported, the others still run
+                result = []
+                status = "ERROR"
+                first_line = (str(e).strip().splitlines() or [""])[0]
+                errors.append(f"{p.name}: {type(e).__name__}: {first_line}")
+                trace = "".join(traceback.format_exception(e))
+            elapsed = time.perf_counter() - start
+            rows += result
+            names += [p.name] * len(result)
+            print(f"{status} ({len(result)} checks, {elapsed:.1f} s)", file=sys.stderr)
+            if status == "ERROR":
+                print(trace, file=sys.stderr)
+    finally:
+        jax.config.update("jax_enable_x64", old_x64)
+
+    failed = sum(not r.passed for r in rows)
+    summary = f"{len(selected)} problems, {len(rows)} checks, {failed} failed"
+    if errors:
+        summary += f", {len(errors)} problems raised an error"
+    table = format_table(rows, markdown=opts.markdown, problems=names) if rows else ""
+    tail = "\n".join([*(f"ERROR {err}" for err in errors), summary])
+    report = (
+        f"{table}\n\n{tail}" if opts.markdown and table else "\n".join(filter(None, [table, tail]))
+    )
+    print(report)
+    if opts.output:
+        try:
+            with open(opts.output, "w", encoding="utf-8") as fh:
+                fh.write(report + "\n")
+        except OSError as e:
+            print(
+                f"implicitdiff-gradcheck: error: cannot write {opts.output}: {e}", file=sys.stderr
+            )
+            return 2
+    return 1 if failed or errors or warnings else 0

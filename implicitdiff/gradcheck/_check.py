@@ -1,0 +1,587 @@
+"""`check_grads`: derivative checks against finite differences and a reference, as a table."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["check_grads", "GradCheckRow", "GradCheckError", "format_table"]
+
+
+FD = "finite differences"
+REFERENCE = "reference"
+JVP = "jvp"
+
+# ---------------------------------------------------------------------------
+# Default step sizes and tolerances, per (real) floating dtype.
+#
+# Central differences of step h have a truncation error ~ h**2 * |f'''| / 6 and a
+# rounding error ~ macheps * |f| / h. The steps below balance the two for functions
+# of moderate scale; the finite-difference tolerances leave room for both. "exact"
+# is the tolerance for comparing two derivatives that should agree up to rounding
+# (and solver tolerance): the reference's, and the jvp that a vjp is checked against.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Defaults:
+    eps: float
+    fd_tol: float
+    exact_tol: float
+
+
+_DEFAULTS: dict[np.dtype, _Defaults] = {
+    np.dtype(np.float64): _Defaults(eps=1e-5, fd_tol=1e-5, exact_tol=1e-8),
+    np.dtype(np.float32): _Defaults(eps=1e-3, fd_tol=1e-2, exact_tol=1e-4),
+    np.dtype(np.float16): _Defaults(eps=3e-2, fd_tol=1e-1, exact_tol=1e-2),
+    np.dtype(jnp.bfloat16): _Defaults(eps=1e-1, fd_tol=2e-1, exact_tol=5e-2),
+}
+
+
+def _real_dtype(dtype: Any) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return np.dtype(jnp.finfo(dtype).dtype)
+    return dtype
+
+
+def _least_precise(dtypes: Iterable[Any]) -> np.dtype:
+    """The inexact dtype with the largest machine epsilon among `dtypes` (float64 if none)."""
+    best = np.dtype(np.float64)
+    for dt in dtypes:
+        dt = _real_dtype(dt)
+        if jnp.issubdtype(dt, jnp.floating) and jnp.finfo(dt).eps > jnp.finfo(best).eps:
+            best = dt
+    return best
+
+
+def _defaults_for(dtype: np.dtype) -> _Defaults:
+    if dtype in _DEFAULTS:
+        return _DEFAULTS[dtype]
+    # Other floating types (float8 and friends): no sensible finite differences; be lax.
+    return _Defaults(eps=1e-1, fd_tol=5e-1, exact_tol=1e-1)
+
+
+# ---------------------------------------------------------------------------
+# Results.
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCheckRow:
+    """One comparison made by `check_grads`.
+
+    Attributes:
+        argument: the argument that was perturbed: its parameter name when `f`'s
+            signature gives one, else ``"args[i]"``; ``"all"`` for the value row.
+        mode: ``"fwd"`` (jvp), ``"rev"`` (vjp) or ``"value"``; at order 2 and above
+            the composition, outermost first, e.g. ``"fwd-over-rev"`` is the jvp of the
+            vjp function.
+        order: derivative order (0 for the value row).
+        against: what it was compared with: ``"finite differences"``, ``"reference"``
+            or ``"jvp"`` (a vjp checked against the jvp by <u, J v> = <J^T u, v>).
+        max_abs_err: largest absolute difference.
+        max_rel_err: `max_abs_err` divided by the scale of the expected values
+            (their largest magnitude; for the <u, J v> identity, sum |u| |J v|).
+        tol: the threshold `max_abs_err` was compared with: atol + rtol * scale.
+        passed: whether ``max_abs_err <= tol`` (False for NaN).
+    """
+
+    argument: str
+    mode: str
+    order: int
+    against: str
+    max_abs_err: float
+    max_rel_err: float
+    tol: float
+    passed: bool
+
+
+class GradCheckError(AssertionError):
+    """Raised by `check_grads` when a check fails; `rows` holds every result row."""
+
+    def __init__(self, message: str, rows: Sequence[GradCheckRow]):
+        super().__init__(message)
+        self.rows: list[GradCheckRow] = list(rows)
+
+    def __reduce__(self):  # picklable despite the extra constructor argument
+        return (type(self), (str(self), self.rows))
+
+
+_HEADERS = (
+    "argument",
+    "mode",
+    "order",
+    "against",
+    "max abs error",
+    "max rel error",
+    "tolerance",
+    "status",
+)
+_NUMERIC = {"order", "max abs error", "max rel error", "tolerance"}
+
+
+def _fmt_float(x: float) -> str:
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.2e}"
+
+
+def format_table(
+    rows: Sequence[GradCheckRow],
+    *,
+    markdown: bool = False,
+    problems: Sequence[str] | None = None,
+) -> str:
+    """Render result rows as a table.
+
+    Arguments:
+        rows: the rows returned by `check_grads` (or carried by `GradCheckError`).
+        markdown: a Markdown table instead of aligned plain text.
+        problems: optional problem names, one per row, shown in a leading
+            ``problem`` column (the command line uses this).
+
+    Returns:
+        The table as a string without a trailing newline. The status column reads
+        ``ok`` or ``FAIL``; in plain text, failing rows also start with ``>``.
+
+    Example:
+        ```python
+        from implicitdiff.gradcheck import GradCheckRow, format_table
+
+        row = GradCheckRow("x", "fwd", 1, "finite differences", 1e-9, 1e-9, 1e-5, True)
+        print(format_table([row], markdown=True))
+        ```
+    """
+    if problems is not None and len(problems) != len(rows):
+        raise ValueError(f"got {len(problems)} problem names for {len(rows)} rows")
+    headers = list(_HEADERS)
+    if problems is not None:
+        headers.insert(0, "problem")
+    body = []
+    for i, r in enumerate(rows):
+        cells = [
+            r.argument,
+            r.mode,
+            str(r.order),
+            r.against,
+            _fmt_float(r.max_abs_err),
+            _fmt_float(r.max_rel_err),
+            _fmt_float(r.tol),
+            "ok" if r.passed else "FAIL",
+        ]
+        if problems is not None:
+            cells.insert(0, problems[i])
+        body.append(cells)
+    right = [h in _NUMERIC for h in headers]
+
+    if markdown:
+        esc = lambda s: s.replace("|", "\\|")
+        lines = ["| " + " | ".join(headers) + " |"]
+        lines.append("|" + "|".join("---:" if r else "---" for r in right) + "|")
+        lines += ["| " + " | ".join(esc(c) for c in cells) + " |" for cells in body]
+        return "\n".join(lines)
+
+    widths = [max([len(h), *(len(c[j]) for c in body)]) for j, h in enumerate(headers)]
+
+    def line(cells: Sequence[str], mark: str) -> str:
+        parts = [
+            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True)
+        ]
+        return (mark + "  ".join(parts)).rstrip()
+
+    out = [line(headers, "  "), "  " + "  ".join("-" * w for w in widths)]
+    out += [line(cells, "  " if cells[-1] == "ok" else "> ") for cells in body]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# check_grads.
+
+
+def _is_inexact(x: Any) -> bool:
+    try:
+        dtype = jnp.result_type(x)
+    except TypeError:
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _inexact_leaves(tree: Any) -> list[jax.Array]:
+    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if _is_inexact(leaf)]
+
+
+def _argument_names(f: Callable, nargs: int) -> list[str]:
+    names = [f"args[{i}]" for i in range(nargs)]
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        return names
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for i, p in enumerate(params[:nargs]):
+        if p.kind not in positional:
+            break
+        names[i] = p.name
+    return names
+
+
+def _random_like(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        val = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+    else:
+        val = rng.standard_normal(shape)
+    return jnp.asarray(val, dtype=dtype)
+
+
+def _to_np(xs: Sequence[jax.Array]) -> list[np.ndarray]:
+    out = []
+    for x in xs:
+        a = np.asarray(x)
+        a = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+        out.append(a)
+    return out
+
+
+def _compare(
+    actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], atol: float, rtol: float
+) -> tuple[float, float, float, bool]:
+    """Normwise comparison: (max abs err, max rel err, tol, passed); NaN fails."""
+    abs_err = 0.0
+    scale = 0.0
+    for a, e in zip(actual, expected, strict=True):
+        if a.shape != e.shape:
+            raise ValueError(f"check_grads: shape mismatch, {a.shape} against {e.shape}")
+        if a.size:
+            with np.errstate(invalid="ignore"):
+                diff = np.where(a == e, 0.0, np.abs(a - e))  # inf == inf agrees
+            abs_err = float(np.max([abs_err, np.max(diff)]))  # propagates NaN
+            finite = np.abs(e[np.isfinite(e)])
+            if finite.size:
+                scale = max(scale, float(np.max(finite)))
+    return _summarise(abs_err, scale, atol, rtol)
+
+
+def _summarise(
+    abs_err: float, scale: float, atol: float, rtol: float
+) -> tuple[float, float, float, bool]:
+    if scale > 0:
+        rel_err = abs_err / scale
+    else:
+        rel_err = 0.0 if abs_err == 0 else (math.nan if math.isnan(abs_err) else math.inf)
+    tol = atol + rtol * scale
+    return abs_err, rel_err, tol, bool(abs_err <= tol)
+
+
+def _inner(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray]) -> tuple[float, float]:
+    """(Re <x, y>, sum |x| |y|) over lists of arrays."""
+    val = 0.0
+    mag = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        val += float(np.real(np.vdot(x, y)))
+        mag += float(np.sum(np.abs(x) * np.abs(y)))
+    return val, mag
+
+
+def _resolve_tol(tol: float | Mapping[str, float] | None, against: str, default: float) -> float:
+    if tol is None:
+        return default
+    if isinstance(tol, Mapping):
+        unknown = set(tol) - {FD, REFERENCE, JVP}
+        if unknown:
+            raise ValueError(
+                f"unknown tolerance keys {sorted(unknown)}; use {FD!r}, {REFERENCE!r}, {JVP!r}"
+            )
+        return float(tol.get(against, default))
+    return float(tol)
+
+
+_Leaves = list[jax.Array]
+_LeafFn = Callable[[_Leaves], _Leaves]
+
+
+def _annotate(exc: BaseException, what: str) -> None:
+    exc.add_note(f"implicitdiff.gradcheck.check_grads: while {what}")
+
+
+def _jvp_fn(g: _LeafFn, n: int) -> _LeafFn:
+    """(xs ++ ts) -> (g(xs) ++ J(xs) ts): the function the forward mode differentiates."""
+
+    def gf(zs: _Leaves) -> _Leaves:
+        y, t = jax.jvp(g, (list(zs[:n]),), (list(zs[n:]),))
+        return [*y, *t]
+
+    return gf
+
+
+def _vjp_fn(g: _LeafFn, n: int) -> _LeafFn:
+    """(xs ++ us) -> J(xs)^T us: the function the reverse mode differentiates."""
+
+    def gr(zs: _Leaves) -> _Leaves:
+        _, pull = jax.vjp(g, list(zs[:n]))
+        (xbar,) = pull(list(zs[n:]))
+        return list(xbar)
+
+    return gr
+
+
+def check_grads(
+    f: Callable[..., Any],
+    args: Sequence[Any],
+    *,
+    order: int = 2,
+    modes: Sequence[str] = ("fwd", "rev"),
+    atol: float | Mapping[str, float] | None = None,
+    rtol: float | Mapping[str, float] | None = None,
+    eps: float | None = None,
+    reference: Callable[..., Any] | None = None,
+    jit: bool = True,
+) -> list[GradCheckRow]:
+    """Check the derivatives of `f` at `args`, one argument at a time.
+
+    For each argument with floating-point leaves (the others are held fixed) there
+    is a random direction `v` for that argument and a random cotangent `u` for the
+    output, standard normal and drawn from a seed that depends only on the
+    argument's name and the check, so runs are reproducible and `f` and the
+    reference see the same directions:
+
+    - ``"fwd"``: the tangent of ``jax.jvp`` along `v` against the central finite
+      difference ``(f(x + eps v) - f(x - eps v)) / (2 eps)``;
+    - ``"rev"``: ``w = vjp(u)`` against the dot-product identity
+      ``<u, J v> == <w, v>``, with ``J v`` taken from the jvp when ``"fwd"`` is also
+      requested (row against ``"jvp"``), else from finite differences. A vjp obtained
+      by transposing a wrong jvp (as for `jax.custom_jvp`) agrees with that jvp:
+      the ``"fwd"`` rows are the ones that catch it;
+    - with a `reference`: the same jvp and vjp of the reference, compared directly,
+      plus one ``"value"`` row comparing ``f(*args)`` with ``reference(*args)``.
+
+    Higher orders recurse on the derivative functions, as JAX's `check_grads` does:
+    order 2 runs the same checks on ``(x, t) -> (f(x), J(x) t)`` (after ``"fwd"``)
+    and on ``(x, u) -> J(x)^T u`` (after ``"rev"``), and so on; the mode column
+    then reads e.g. ``"fwd-over-rev"``. (JAX feeds the primal output back in as
+    the cotangent; here the cotangent is an input of its own, so the transposition
+    of the backward pass is checked too.) Only the floating-point leaves of `f`'s
+    output are compared: integer outputs such as iteration counts are ignored.
+    Rows come in order: the value row, then for each argument its checks depth first.
+
+    Arguments:
+        f: the function; ``f(*args)`` returns a pytree of arrays.
+        args: a tuple of pytrees, the point at which derivatives are checked.
+        order: highest derivative order checked (>= 1).
+        modes: any of ``"fwd"`` and ``"rev"``. For a `jax.custom_vjp` function, which
+            has no forward mode, use ``("rev",)``.
+        atol: absolute tolerance, either one number for every comparison or a mapping
+            from ``"finite differences"``, ``"reference"``, ``"jvp"`` to a number (keys
+            left out keep their default). A check passes when
+            ``max|actual - expected| <= atol + rtol * max|expected|`` (for the
+            dot-product identity, ``|<w, v> - <u, J v>| <= atol + rtol * sum|u| |J v|``).
+            Defaults depend on the least precise floating dtype among the inputs and
+            outputs of the function being differentiated, for atol and rtol alike:
+            float64: 1e-5 against finite differences, 1e-8 against the reference or
+            the jvp (these should agree to rounding and solver tolerance); float32:
+            1e-2 and 1e-4; 16-bit floats: looser still.
+        rtol: relative tolerance, given like `atol`.
+        eps: finite-difference step along the standard-normal direction (default:
+            1e-5 for float64, 1e-3 for float32, where truncation and rounding errors
+            are both well below the default tolerances). For an iterative solver the
+            finite-difference noise can reach solver tolerance / eps: solve tightly
+            (as the built-in problems do), or raise `eps`.
+        reference: an independent implementation of the same function (an unrolled
+            solver, a closed form), called with the same arguments; its floating-point
+            outputs must have the shapes of `f`'s.
+        jit: evaluate each step's finite differences, jvps and vjps in one `jax.jit`
+            call (much faster for solvers, whose loops are compiled once per step
+            instead of once per call). Pass False for a function that cannot be traced.
+
+    Returns:
+        The list of `GradCheckRow`s, when every check passes.
+
+    Raises:
+        GradCheckError: (an `AssertionError`) if any check fails; its message is the
+            `format_table` of all rows, and its `rows` attribute holds them.
+        TypeError: if no argument has a floating-point leaf.
+        ValueError: for a bad `order` or `modes`, or a reference whose output does not
+            match `f`'s.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from implicitdiff.gradcheck import check_grads
+
+        jax.config.update("jax_enable_x64", True)
+        A = jnp.array([[3.0, 1.0], [1.0, 2.0]])
+        b = jnp.array([1.0, -1.0])
+        rows = check_grads(jnp.linalg.solve, (A, b), order=2,
+                           reference=lambda A, b: jnp.linalg.inv(A) @ b)
+        assert all(r.passed for r in rows)
+        ```
+    """
+    if isinstance(modes, str):
+        modes = (modes,)
+    modes = tuple(modes)
+    if not modes or any(m not in ("fwd", "rev") for m in modes):
+        raise ValueError(f"modes must be a non-empty subset of ('fwd', 'rev'), got {modes!r}")
+    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+        raise ValueError(f"order must be an integer >= 1, got {order!r}")
+    args = tuple(args)
+    names = _argument_names(f, len(args))
+
+    # Float leaves become JAX arrays (Python floats included); other leaves stay as given.
+    flat_args = []
+    for a in args:
+        leaves, treedef = jax.tree_util.tree_flatten(a)
+        leaves = [jnp.asarray(x) if _is_inexact(x) else x for x in leaves]
+        flat_args.append((leaves, treedef))
+    args = tuple(jax.tree_util.tree_unflatten(td, lv) for lv, td in flat_args)
+    diff_args = [i for i, (lv, _) in enumerate(flat_args) if any(_is_inexact(x) for x in lv)]
+    if not diff_args:
+        raise TypeError(
+            "check_grads: no argument has a floating-point leaf to perturb "
+            f"(arguments {', '.join(names) or '()'} are all integer, boolean or empty)"
+        )
+
+    rows: list[GradCheckRow] = []
+    maybe_jit = jax.jit if jit else (lambda fun: fun)
+
+    def restrict(fun: Callable[..., Any], i: int) -> _LeafFn:
+        leaves, treedef = flat_args[i]
+        pos = [j for j, x in enumerate(leaves) if _is_inexact(x)]
+
+        def g(xs: _Leaves) -> _Leaves:
+            new = list(leaves)
+            for j, x in zip(pos, xs, strict=True):
+                new[j] = x
+            call_args = list(args)
+            call_args[i] = jax.tree_util.tree_unflatten(treedef, new)
+            return _inexact_leaves(fun(*call_args))
+
+        return g
+
+    def tolerances(dtype: np.dtype, against: str) -> tuple[float, float]:
+        d = _defaults_for(dtype)
+        default = d.fd_tol if against == FD else d.exact_tol
+        return _resolve_tol(atol, against, default), _resolve_tol(rtol, against, default)
+
+    if reference is not None:  # the value row
+        y = _to_np(_inexact_leaves(f(*args)))
+        y_ref = _to_np(_inexact_leaves(reference(*args)))
+        if [a.shape for a in y] != [a.shape for a in y_ref]:
+            raise ValueError(
+                "check_grads: the reference's floating-point outputs have shapes "
+                f"{[a.shape for a in y_ref]}, f's have {[a.shape for a in y]}"
+            )
+        dtype = _least_precise([x.dtype for x in _inexact_leaves(args)] + [a.dtype for a in y])
+        result = _compare(y, y_ref, *tolerances(dtype, REFERENCE))
+        rows.append(GradCheckRow("all", "value", 0, REFERENCE, *result))
+
+    def check_node(
+        g: _LeafFn, g_ref: _LeafFn | None, xs: _Leaves, path: tuple[str, ...], label: str
+    ) -> None:
+        k = len(path) + 1
+        what = f"checking the order-{k} derivatives with respect to {label}"
+        if path:
+            what += f" (of the {'-over-'.join(reversed(path))} derivative function)"
+        rng = np.random.default_rng(zlib.crc32(f"{label}|{'/'.join(path)}".encode()))
+        vs = [_random_like(rng, x.shape, x.dtype) for x in xs]
+        try:
+            out_types = jax.eval_shape(g, xs)
+        except Exception as e:
+            _annotate(e, what)
+            raise
+        us = [_random_like(rng, y.shape, y.dtype) for y in out_types]
+        dtype = _least_precise([x.dtype for x in xs] + [y.dtype for y in out_types])
+        step = eps if eps is not None else _defaults_for(dtype).eps
+        n = len(xs)
+
+        def evaluate(xs: _Leaves, vs: _Leaves, us: _Leaves) -> dict[str, _Leaves]:
+            """Everything this node compares, computed in one (jitted) call."""
+            res = {
+                "plus": g([x + step * v for x, v in zip(xs, vs, strict=True)]),
+                "minus": g([x - step * v for x, v in zip(xs, vs, strict=True)]),
+            }
+            funs = {"": g} if g_ref is None else {"": g, "ref_": g_ref}
+            for prefix, fun in funs.items():
+                if "fwd" in modes:
+                    res[prefix + "jvp"] = jax.jvp(fun, (xs,), (vs,))[1]
+                if "rev" in modes:
+                    _, pull = jax.vjp(fun, xs)
+                    # conj(vjp(conj(u))) is the adjoint of the jvp for complex values too
+                    res[prefix + "vjp"] = [jnp.conj(w) for w in pull([jnp.conj(u) for u in us])[0]]
+            return res
+
+        try:
+            res = {key: _to_np(val) for key, val in maybe_jit(evaluate)(xs, vs, us).items()}
+        except Exception as e:
+            _annotate(e, what)
+            raise
+        fd = [(p - m) / (2 * step) for p, m in zip(res["plus"], res["minus"], strict=True)]
+
+        def name(mode: str) -> str:
+            return "-over-".join([mode, *reversed(path)])
+
+        def add(mode: str, against: str, result: tuple[float, float, float, bool]) -> None:
+            rows.append(GradCheckRow(label, name(mode), k, against, *result))
+
+        if "fwd" in modes:
+            add("fwd", FD, _compare(res["jvp"], fd, *tolerances(dtype, FD)))
+            if g_ref is not None:
+                add(
+                    "fwd",
+                    REFERENCE,
+                    _compare(res["jvp"], res["ref_jvp"], *tolerances(dtype, REFERENCE)),
+                )
+        if "rev" in modes:
+            # <u, J v> (from the jvp, or finite differences) against <J^T u, v>
+            against, jv = (JVP, res["jvp"]) if "fwd" in modes else (FD, fd)
+            ip, _ = _inner(_to_np(vs), res["vjp"])
+            ip_expected, scale = _inner(jv, _to_np(us))
+            add(
+                "rev",
+                against,
+                _summarise(abs(ip - ip_expected), scale, *tolerances(dtype, against)),
+            )
+            if g_ref is not None:
+                add(
+                    "rev",
+                    REFERENCE,
+                    _compare(res["vjp"], res["ref_vjp"], *tolerances(dtype, REFERENCE)),
+                )
+
+        if k < order:
+            if "fwd" in modes:
+                check_node(
+                    _jvp_fn(g, n),
+                    None if g_ref is None else _jvp_fn(g_ref, n),
+                    [*xs, *vs],
+                    (*path, "fwd"),
+                    label,
+                )
+            if "rev" in modes:
+                check_node(
+                    _vjp_fn(g, n),
+                    None if g_ref is None else _vjp_fn(g_ref, n),
+                    [*xs, *us],
+                    (*path, "rev"),
+                    label,
+                )
+
+    for i in diff_args:
+        g = restrict(f, i)
+        g_ref = None if reference is None else restrict(reference, i)
+        xs = [x for x in flat_args[i][0] if _is_inexact(x)]
+        check_node(g, g_ref, xs, (), names[i])
+
+    failed = [r for r in rows if not r.passed]
+    if failed:
+        raise GradCheckError(
+            f"check_grads: {len(failed)} of {len(rows)} checks failed\n{format_table(rows)}", rows
+        )
+    return rows
