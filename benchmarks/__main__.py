@@ -45,7 +45,7 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
     "implicit_vs_unrolled": (
         "time and memory of implicit vs unrolled gradients of a fixed point (vs jaxopt, "
         "optimistix)",
-        {mode: ["-m", "benchmarks.implicit_vs_unrolled", f"--{mode}"] for mode in ("quick", "full")},
+        {m: ["-m", "benchmarks.implicit_vs_unrolled", f"--{m}"] for m in ("quick", "full")},
     ),
 }
 
@@ -59,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick")
     mode.add_argument("--full", dest="mode", action="store_const", const="full")
-    parser.add_argument(
-        "--only", nargs="+", choices=sorted(ENTRIES), help="run only these entries"
-    )
+    parser.add_argument("--only", nargs="+", choices=sorted(ENTRIES), help="run only these entries")
     parser.add_argument("--list", action="store_true", help="list the entries and exit")
     parser.set_defaults(mode="quick")
     opts = parser.parse_args(argv)
