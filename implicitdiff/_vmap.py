@@ -136,6 +136,40 @@ class VmapOf(Primitive):
         flat = [next(it) if m else None for m in mask]
         return tuple(prim._unflatten_in(flat))
 
+    def transpose(self, out_ct, *maybe_accums):
+        # The base primitive's transpose, mapped: collect its cotangents for the linear
+        # inputs of one batch element into fresh accumulators, vmap that, and hand the
+        # batched results to the real accumulators.
+        prim = self.prim
+        flat = prim.in_tree.flatten_up_to(maybe_accums)
+        is_lin = [_is_accum(a) for a in flat]
+        vals = [a for a, lin in zip(flat, is_lin) if not lin]
+        val_dims = [d for d, lin in zip(self.in_dims, is_lin) if not lin]
+        lin_dims = [d for d, lin in zip(self.in_dims, is_lin) if lin]
+        lin_avals = [compat.tangent_aval(a) for a, lin in zip(prim.in_avals_flat, is_lin) if lin]
+        cts = [compat.instantiate_zeros(c) for c in prim.out_tree.flatten_up_to(out_ct)]
+
+        def f(vals, cts):
+            accs = [_Accum(a) for a in lin_avals]
+            it_v, it_a = iter(vals), iter(accs)
+            args = [next(it_a) if lin else next(it_v) for lin in is_lin]
+            prim.transpose(
+                jax.tree_util.tree_unflatten(prim.out_tree, cts), *prim._unflatten_in(args)
+            )
+            return [
+                compat.zeros_like_aval(a) if acc.value is None else acc.value
+                for acc, a in zip(accs, lin_avals)
+            ]
+
+        outs = self._vmap(f, (val_dims, list(self.out_dims)), lin_dims, sum_match=True)(vals, cts)
+        for acc, o in zip([a for a in flat if _is_accum(a)], outs):
+            acc.accum(o)
+
+
+def _is_accum(x):
+    """Linear inputs reach `transpose` as cotangent accumulators (objects with `.accum`)."""
+    return hasattr(x, "accum")
+
 
 def _one_element(res, res_axes, g_nz, g_dims):
     """Slice one batch element out of (res, g_nz) abstractly, for a shape-only trace."""

@@ -137,19 +137,23 @@ def _check_shapes(optimality_fun, solver, name, init, args, kwargs, has_aux):
         if not (isinstance(sol, tuple) and len(sol) == 2):
             raise TypeError(f"implicit_diff: with has_aux=True, {name} must return (solution, aux)")
         sol = sol[0]
-    res = jax.eval_shape(lambda x: optimality_fun(x, *args, **kwargs), sol)
     init_s = jax.eval_shape(lambda x: x, init)
-    for what, tree in (("init", init_s), ("optimality_fun(solution, ...)", res)):
-        same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(sol) and all(
-            a.shape == b.shape and a.dtype == b.dtype
-            for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(sol))
+    _same_or_raise(name, "init", init_s, sol)
+    res = jax.eval_shape(lambda x: optimality_fun(x, *args, **kwargs), sol)
+    _same_or_raise(name, "optimality_fun(solution, ...)", res, sol)
+
+
+def _same_or_raise(name, what, tree, sol):
+    same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(sol) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(sol))
+    )
+    if not same:
+        raise TypeError(
+            f"implicit_diff: {what} must have the structure, shapes and dtypes of the "
+            f"solution {name} returns; got {_fmt(tree)} for {what} and {_fmt(sol)} for the "
+            "solution"
         )
-        if not same:
-            raise TypeError(
-                f"implicit_diff: {what} must have the structure, shapes and dtypes of the "
-                f"solution {name} returns; got {_fmt(tree)} for {what} and {_fmt(sol)} for the "
-                "solution"
-            )
 
 
 def _fmt(tree):

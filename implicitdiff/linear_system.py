@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _jax_compat as compat
-from ._primitive import Primitive, Zero, _Accum
+from ._primitive import Primitive, Zero
 
 __all__ = ["custom_linear_solve"]
 
@@ -233,28 +233,43 @@ class _LinearSolve(Primitive):
     def vjp_bwd_retval(self, res, g):
         mvc, sc, tc, x = res
         gx = g[0] if self.has_aux else g
-        if all(isinstance(t, Zero) for t in jax.tree_util.tree_leaves(gx)):
+        if all(isinstance(t, Zero) for t in _leaves(gx)):
             return None, None, None, None
-        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx)
+        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx, is_leaf=_is_zero)
         w = self._x(self._flipped()(mvc, sc, tc, gx))
         _, pullback = jax.vjp(lambda c: self._apply_a(c, x), mvc)
         (ct_mvc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
         return ct_mvc, None, None, w
 
-    def transpose(self, ct, mvc, sc, tc, b_acc):
+    def transpose(self, ct, mvc, sc, tc, b):
+        # Linear inputs arrive as accumulators (objects with `.accum`); anything else is
+        # a known value. Only `b` may be linear; leaves of `b` that are known values
+        # (a constant block of the right-hand side) just get no cotangent.
         for name, part in (("matvec", mvc), ("solve", sc), ("transpose_solve", tc)):
-            if any(isinstance(v, _Accum) for v in jax.tree_util.tree_leaves(part)):
+            if any(_is_accum(v) for v in _leaves(part)):
                 raise ValueError(
                     f"custom_linear_solve is linear in `b` only, but it was transposed with "
-                    f"respect to a value `{name}` closes over"
+                    f"respect to a value `{name}` closes over (for example a solver that "
+                    "closes over the right-hand side itself); pass such values through `b`"
                 )
         gx = ct[0] if self.has_aux else ct
-        if all(isinstance(t, Zero) for t in jax.tree_util.tree_leaves(gx)):
+        if all(isinstance(t, Zero) for t in _leaves(gx)):
             return
-        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx)
+        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx, is_leaf=_is_zero)
         w = self._x(self._flipped()(mvc, sc, tc, gx))
-        for acc, v in zip(
-            jax.tree_util.tree_leaves(b_acc, is_leaf=lambda a: isinstance(a, _Accum)),
-            jax.tree_util.tree_leaves(w),
-        ):
-            acc.accum(v)
+        for acc, v in zip(jax.tree_util.tree_leaves(b, is_leaf=_is_accum), _leaves(w)):
+            if _is_accum(acc):
+                acc.accum(v)
+
+
+def _is_accum(x):
+    return hasattr(x, "accum")
+
+
+def _is_zero(x):
+    return isinstance(x, Zero)
+
+
+def _leaves(tree):
+    """Leaves of a (co)tangent pytree, symbolic `Zero`s included (they have no children)."""
+    return jax.tree_util.tree_leaves(tree, is_leaf=_is_zero)

@@ -178,9 +178,9 @@ class _Root(Primitive):
     def vjp_bwd_retval(self, res, g):
         fc, lc, x = res
         gx = self._root(g) if self.has_aux else g
-        if all(isinstance(t, Zero) for t in jax.tree_util.tree_leaves(gx)):
+        if all(isinstance(t, Zero) for t in _leaves(gx)):
             return None, None, None, None
-        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx)
+        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx, is_leaf=_is_zero)
         # w = J^{-T} g: transpose the tangent solve (linear in its right-hand side).
         try:
             (w,) = jax.linear_transpose(lambda y: self.linearize_and_solve(lc, x, y), x)(gx)
@@ -196,3 +196,12 @@ class _Root(Primitive):
         _, pullback = jax.vjp(lambda c: self.f(c, x), fc)
         (ct_fc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
         return ct_fc, None, None, None
+
+
+def _is_zero(x):
+    return isinstance(x, Zero)
+
+
+def _leaves(tree):
+    """Leaves of a (co)tangent pytree, symbolic `Zero`s included (they have no children)."""
+    return jax.tree_util.tree_leaves(tree, is_leaf=_is_zero)
