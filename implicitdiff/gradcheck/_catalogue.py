@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._check import GradCheckError, GradCheckRow, check_grads, format_table
+from ._check import FD, REFERENCE, GradCheckError, GradCheckRow, check_grads, format_table
 
 __all__ = ["Problem", "register", "problems", "main", "ENTRY_POINT_GROUP"]
 
@@ -300,6 +300,51 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return False
 
 
+def _overview(
+    per_problem: Sequence[tuple[str, str, float]],
+    rows: Sequence[GradCheckRow],
+    names: Sequence[str],
+    *,
+    markdown: bool,
+) -> str:
+    """One line per problem: checks, failures, and the worst errors by kind of check."""
+
+    def worst(pname: str, against: str) -> str:
+        errs = [r.max_abs_err for r, n in zip(rows, names) if n == pname and r.against == against]
+        return f"{max(errs):.1e}" if errs else "-"
+
+    headers = (
+        "problem",
+        "checks",
+        "failed",
+        "worst vs finite differences",
+        "worst vs reference",
+        "time (s)",
+        "status",
+    )
+    body = []
+    for pname, status, elapsed in per_problem:
+        mine = [r for r, n in zip(rows, names) if n == pname]
+        body.append(
+            (
+                pname,
+                str(len(mine)),
+                str(sum(not r.passed for r in mine)),
+                worst(pname, FD),
+                worst(pname, REFERENCE),
+                f"{elapsed:.1f}",
+                status,
+            )
+        )
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        lines += ["| " + " | ".join(r) + " |" for r in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in body)])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the derivative checks of the catalogue and print one summary table.
 
@@ -383,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[GradCheckRow] = []
     names: list[str] = []
     errors: list[str] = []
+    per_problem: list[tuple[str, str, float]] = []
     try:
         for i, p in enumerate(selected, 1):
             print(f"[{i}/{len(selected)}] {p.name} ...", end=" ", file=sys.stderr, flush=True)
@@ -400,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 errors.append(f"{p.name}: {type(e).__name__}: {first_line}")
                 trace = "".join(traceback.format_exception(e))
             elapsed = time.perf_counter() - start
+            per_problem.append((p.name, status, elapsed))
             rows += result
             names += [p.name] * len(result)
             print(f"{status} ({len(result)} checks, {elapsed:.1f} s)", file=sys.stderr)
@@ -413,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if errors:
         summary += f", {len(errors)} problems raised an error"
     table = format_table(rows, markdown=opts.markdown, problems=names) if rows else ""
+    overview = _overview(per_problem, rows, names, markdown=opts.markdown)
+    table = f"{overview}\n\n{table}" if table else overview
     tail = "\n".join([*(f"ERROR {err}" for err in errors), summary])
     report = (
         f"{table}\n\n{tail}" if opts.markdown and table else "\n".join(filter(None, [table, tail]))
