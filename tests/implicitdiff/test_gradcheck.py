@@ -333,12 +333,22 @@ def test_cli_list(registry, capsys):
     assert all(len(line.split()) > 1 for line in lines)  # with a description
 
 
+def _detail(text):
+    """The detailed table (and summary line) of the CLI's output, after the overview."""
+    overview, detail = text.split("\n\n", 1)
+    return detail
+
+
 def test_cli_runs_the_linear_system(registry, capsys):
     old = jax.config.jax_enable_x64
     assert main(["-k", "linear"]) == 0
     assert jax.config.jax_enable_x64 == old  # restored
     captured = capsys.readouterr()
-    out = captured.out.splitlines()
+    overview = captured.out.split("\n\n")[0].splitlines()
+    assert overview[0].split()[:3] == ["problem", "checks", "failed"]
+    assert overview[2].split()[:3] == ["linear-system", "25", "0"]
+    assert overview[2].endswith("ok")
+    out = _detail(captured.out).splitlines()
     header = out[0].split()
     assert header[:3] == ["problem", "argument", "mode"] and header[-1] == "status"
     body = out[2:-1]
@@ -353,7 +363,7 @@ def test_cli_order_and_glob(registry, capsys):
     register(_problem("sine", jnp.sin, (0.5,), jnp.sin))
     register(_problem("cosine", jnp.cos, (0.5,)))
     assert main(["-k", "s*e", "--order", "1"]) == 0  # a glob: sine only
-    out = capsys.readouterr().out.splitlines()
+    out = _detail(capsys.readouterr().out).splitlines()
     assert {line.split()[0] for line in out[2:-1]} == {"sine"}
     assert out[-1] == "1 problems, 5 checks, 0 failed"
     assert main(["-k", "SINE", "-k", "cos"]) == 0  # substrings, any case; order 2
@@ -391,7 +401,8 @@ def test_cli_markdown_and_output(registry, capsys, tmp_path):
     path = tmp_path / "table.md"
     assert main(["-k", "sine", "--markdown", "--output", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("| problem | argument | mode | order | against |")
+    assert out.startswith("| problem | checks | failed | worst vs finite differences |")
+    assert _detail(out).startswith("| problem | argument | mode | order | against |")
     assert "| sine | x | fwd | 1 | finite differences |" in out
     assert path.read_text() == out
     assert main(["-k", "sine", "--output", str(tmp_path / "no" / "such" / "dir")]) == 2
