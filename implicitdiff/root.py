@@ -189,9 +189,9 @@ class _Root(Primitive):
                 "custom_root: reverse mode transposes `tangent_solve` (it must be linear in "
                 "its right-hand side and made of transposable operations), and that failed: "
                 f"{e}. Use a solver from implicitdiff.linear_solve or wrap yours in "
-                "implicitdiff.custom_linear_solve with a transpose_solve. (In jax 0.10.2, "
-                "jax.lax.custom_linear_solve, which jax.scipy.sparse.linalg's solvers use, "
-                "cannot be transposed.)"
+                "implicitdiff.custom_linear_solve with a transpose_solve. (In jax 0.10.2, the "
+                "solvers of jax.scipy.sparse.linalg cannot be transposed: they use "
+                "jax.lax.custom_linear_solve with auxiliary outputs.)"
             ) from e
         _, pullback = jax.vjp(lambda c: self.f(c, x), fc)
         (ct_fc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
