@@ -19,6 +19,8 @@ The public names:
   optimality condition.
 - `linear_solve`: linear solvers for the tangent and adjoint systems (`dense`,
   `cg`, `normal_cg`, `gmres`, `bicgstab`, `neumann`, `auto`).
+- `error_if`, `ImplicitDiffRuntimeError`: raise from compiled code when a run-time
+  condition holds (non-convergence), with run-time values in the message.
 - `check_grads` (and the `gradcheck` module behind `implicitdiff-gradcheck`):
   derivative checks against finite differences and an independent reference.
 """
@@ -33,6 +35,7 @@ from ._derive import (
     vjp_fwd_from_jvp,
     vjp_fwd_from_lin,
 )
+from ._errors import ImplicitDiffRuntimeError, error_if
 from ._primitive import NullAccum, Primitive, Static, Zero, instantiate_zeros
 from ._vmap import VmapOf
 from .custom_derivatives import custom_jvp, custom_vjp
@@ -69,4 +72,6 @@ __all__ = [
     "linear_solve",
     "check_grads",
     "gradcheck",
+    "error_if",
+    "ImplicitDiffRuntimeError",
 ]

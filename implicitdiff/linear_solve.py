@@ -483,8 +483,18 @@ def normal_cg(
 def _gmres_kernel(mv, rhs, x0, *, rtol, atol, restart, maxiter, throw):
     x, _ = jsp_linalg.gmres(mv, rhs, x0=x0, tol=rtol, atol=atol, restart=restart, maxiter=maxiter)
     if throw:
+        # JAX's GMRES treats vectors shorter than machine epsilon as zero (it returns
+        # x = 0 for such a b), so its accuracy has that absolute floor.
+        eps = jnp.finfo(jnp.result_type(*jax.tree_util.tree_leaves(rhs))).eps
         x = _check_converged(
-            "gmres", mv, rhs, x, rtol, atol, maxiter, f"restart cycles of {restart} iterations"
+            "gmres",
+            mv,
+            rhs,
+            x,
+            rtol,
+            jnp.maximum(atol, eps),
+            maxiter,
+            f"restart cycles of {restart} iterations",
         )
     return x
 

@@ -1,7 +1,13 @@
-"""solvers: differentiable numerical solvers and Equinox modules built on `implicitdiff`.
+"""solvers: differentiable numerical solvers built on `implicitdiff`.
 
-Empty for now: `fixed_point`, `root`, `minimize`, `odeint` and `solvers.nn` arrive
-with the issues that build on the primitive layer.
+- `fixed_point`: solve `x = f(a, x)` (plain, damped or Anderson iteration) with
+  implicit derivatives.
+- `SolveInfo`: steps, residual and status of a solve (`return_info=True`).
+
+`root`, `minimize`, `odeint` and `solvers.nn` arrive with later issues.
 """
 
-__all__: list[str] = []
+from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
+from .fixed_point import fixed_point
+
+__all__ = ["fixed_point", "SolveInfo", "SUCCESS", "MAX_STEPS", "NONFINITE"]

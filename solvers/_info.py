@@ -1,0 +1,64 @@
+"""Diagnostics shared by the nonlinear solvers: `SolveInfo` and how failure is reported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from implicitdiff import error_if
+
+__all__ = ["SolveInfo", "SUCCESS", "MAX_STEPS", "NONFINITE", "STATUS_NAMES", "report"]
+
+#: `SolveInfo.status` codes.
+SUCCESS, MAX_STEPS, NONFINITE = 0, 1, 2
+STATUS_NAMES = {SUCCESS: "converged", MAX_STEPS: "max_steps reached", NONFINITE: "non-finite"}
+
+
+class SolveInfo(eqx.Module):
+    """What a solve did. A pytree: under `vmap`, every field has one entry per element.
+
+    Attributes:
+        steps: number of iterations taken.
+        residual: the last convergence measure (for `fixed_point`, the size of the
+            last step relative to the tolerance's scale; for `root`, `|f(x)|`; for
+            `minimize`, `|grad f(x)|`), in the max norm.
+        status: `SUCCESS` (0), `MAX_STEPS` (1) or `NONFINITE` (2).
+    """
+
+    steps: Int[Array, ...]
+    residual: Float[Array, ...]
+    status: Int[Array, ...]
+
+    @property
+    def converged(self) -> Bool[Array, ...]:
+        """True where the solve met its tolerance."""
+        return self.status == SUCCESS
+
+
+def report(x: Any, info: SolveInfo, *, throw: bool, name: str, max_steps: int) -> Any:
+    """Return `x`; when `throw`, raise at run time if the solve did not converge."""
+    if not throw:
+        return x
+    msg = (
+        f"{name} did not converge: status {{status}} (1: max_steps={max_steps} reached, "
+        "2: non-finite values) after {steps} steps, last residual {residual:.3e}. "
+        "To fix it: raise `max_steps`, loosen `rtol`/`atol`, try another `method` "
+        "(e.g. damping or Anderson acceleration for a fixed point), or check the inputs "
+        "for NaN. Pass `throw=False` (with `return_info=True`) to get the status instead."
+    )
+    return error_if(
+        x,
+        info.status != SUCCESS,
+        msg,
+        values={"status": info.status, "steps": info.steps, "residual": info.residual},
+    )
+
+
+def max_norm(tree_leaves: list[Any]) -> Any:
+    """Max-abs over every leaf (0 for an empty list)."""
+    if not tree_leaves:
+        return jnp.zeros(())
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in tree_leaves]))

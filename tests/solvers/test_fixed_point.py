@@ -1,0 +1,201 @@
+"""`solvers.fixed_point`: the hijax guide's values, implicit derivatives, diagnostics, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from implicitdiff import linear_solve
+from solvers import MAX_STEPS, NONFINITE, SUCCESS, fixed_point
+
+
+def newton_sqrt(a, **kw):
+    return fixed_point(lambda a, x: 0.5 * (x + a / x), a, a, **kw)
+
+
+# ---------------------------------------------------------------------------
+# The guide's printed values (float32) and exact ones (float64).
+
+
+def test_guide_values_float32():
+    assert newton_sqrt(2.0) == np.float32(1.4142135)
+    assert jax.grad(newton_sqrt)(2.0) == np.float32(0.35355338)
+    # the guide prints -0.088388346 (its own backward iteration); -0.08838835 for jnp.sqrt
+    np.testing.assert_allclose(jax.grad(jax.grad(newton_sqrt))(2.0), -0.088388346, rtol=3e-7)
+    np.testing.assert_array_equal(
+        jax.jit(jax.vmap(newton_sqrt))(jnp.array([1.0, 2.0, 3.0, 4.0])),
+        np.array([1.0, 1.4142135, 1.7320509, 2.0], np.float32),
+    )
+
+
+def test_guide_values_float64_exact(x64):
+    a = jnp.float64(2.0)
+    np.testing.assert_allclose(newton_sqrt(a), np.sqrt(2.0), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(jax.grad(newton_sqrt)(a), 0.5 / np.sqrt(2.0), atol=1e-12)
+    np.testing.assert_allclose(
+        jax.grad(jax.grad(newton_sqrt))(a), -0.25 * 2.0**-1.5, rtol=0, atol=1e-12
+    )
+    a4 = jnp.array([1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(jax.jit(jax.vmap(newton_sqrt))(a4), np.sqrt(a4), atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Transformations, against the closed form sqrt(a) in float64.
+
+D1 = lambda a: 0.5 * a**-0.5
+D2 = lambda a: -0.25 * a**-1.5
+
+TRANSFORMS = {
+    "grad": (lambda f: jax.grad(f), D1),
+    "jvp": (lambda f: lambda a: jax.jvp(f, (a,), (jnp.ones_like(a),))[1], D1),
+    "jacfwd": (lambda f: jax.jacfwd(f), D1),
+    "jacrev": (lambda f: jax.jacrev(f), D1),
+    "hessian": (lambda f: jax.hessian(f), D2),
+    "grad(grad)": (lambda f: jax.grad(jax.grad(f)), D2),
+    "jacfwd(grad)": (lambda f: jax.jacfwd(jax.grad(f)), D2),
+    "jit(grad)": (lambda f: jax.jit(jax.grad(f)), D1),
+    "linearize": (lambda f: lambda a: jax.linearize(f, a)[1](jnp.ones_like(a)), D1),
+    "checkpoint": (lambda f: jax.grad(jax.checkpoint(f)), D1),
+}
+
+
+@pytest.mark.parametrize("method", ["iterate", "damped", "anderson"])
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_transformations_scalar(x64, name, method):
+    transform, expected = TRANSFORMS[name]
+    f = functools.partial(newton_sqrt, method=method, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(transform(f)(jnp.float64(3.0)), expected(3.0), rtol=1e-9)
+
+
+@pytest.mark.parametrize("adjoint", ["neumann", "gmres", "dense", "auto"])
+def test_vmap_grad_and_grad_vmap(x64, adjoint):
+    a = jnp.array([1.0, 2.0, 5.0])
+    f = functools.partial(newton_sqrt, adjoint=adjoint)
+    np.testing.assert_allclose(jax.vmap(jax.grad(f))(a), D1(a), rtol=1e-9)
+    np.testing.assert_allclose(jax.grad(lambda a: jax.vmap(f)(a).sum())(a), D1(a), rtol=1e-9)
+    np.testing.assert_allclose(jax.vmap(jax.hessian(f))(a), D2(a), rtol=1e-8)
+
+
+def test_under_scan(x64):
+    def body(carry, a):
+        return carry + newton_sqrt(a), None
+
+    g = jax.grad(lambda a: jax.lax.scan(body, 0.0, a)[0])(jnp.array([1.0, 4.0, 9.0]))
+    np.testing.assert_allclose(g, D1(jnp.array([1.0, 4.0, 9.0])), rtol=1e-9)
+
+
+def test_closed_over_value_gets_the_implicit_gradient(x64):
+    def sqrt_c(c):
+        return fixed_point(lambda a, x: 0.5 * (x + c / x), (), jnp.float64(1.0))
+
+    np.testing.assert_allclose(jax.grad(sqrt_c)(5.0), D1(5.0), rtol=1e-10)
+    np.testing.assert_allclose(jax.jacfwd(sqrt_c)(5.0), D1(5.0), rtol=1e-10)
+    np.testing.assert_allclose(jax.vmap(jax.grad(sqrt_c))(jnp.array([4.0, 9.0])), [0.25, 1 / 6])
+
+
+def test_vector_pytree_problem_matches_unrolled(x64):
+    """x = tanh(W x + u) (+ a dict leaf), a contraction; gradients vs unrolled autodiff."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(0.3 * rng.standard_normal((4, 4)) / 2)
+    u = jnp.asarray(rng.standard_normal(4))
+
+    def f(p, x):
+        return {"h": jnp.tanh(p["w"] @ x["h"] + p["u"]), "s": 0.5 * x["s"] + jnp.sum(x["h"])}
+
+    x0 = {"h": jnp.zeros(4), "s": jnp.zeros(())}
+
+    def unrolled(p):
+        return jax.lax.fori_loop(0, 200, lambda _, x: f(p, x), x0)
+
+    def loss(solve, p):
+        x = solve(p)
+        return jnp.sum(x["h"] ** 2) + x["s"]
+
+    p = {"w": w, "u": u}
+    for method in ("iterate", "anderson"):
+        ours = functools.partial(
+            lambda p, m: fixed_point(f, p, x0, method=m, rtol=1e-12, atol=1e-12), m=method
+        )
+        g, g_ref = (
+            jax.grad(functools.partial(loss, ours))(p),
+            jax.grad(functools.partial(loss, unrolled))(p),
+        )
+        for k in p:
+            np.testing.assert_allclose(g[k], g_ref[k], rtol=1e-8, atol=1e-10)
+        jf = jax.jacfwd(functools.partial(loss, ours))(p)
+        for k in p:
+            np.testing.assert_allclose(jf[k], g_ref[k], rtol=1e-8, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------
+# Methods, diagnostics, non-convergence.
+
+
+def test_methods_agree_and_anderson_is_faster_on_a_slow_contraction(x64):
+    f = lambda a, x: 0.99 * jnp.cos(x) * 0.5 + a  # slow linear convergence
+    results = {
+        m: fixed_point(f, 0.3, jnp.zeros(3), method=m, return_info=True, max_steps=5000)
+        for m in ("iterate", "damped", "anderson")
+    }
+    xs = [r[0] for r in results.values()]
+    for x in xs[1:]:
+        np.testing.assert_allclose(x, xs[0], rtol=1e-8)
+    assert int(results["anderson"][1].steps) < int(results["iterate"][1].steps)
+
+
+def test_info_and_check_every(x64):
+    x, info = newton_sqrt(jnp.float64(2.0), return_info=True)
+    assert int(info.status) == SUCCESS and bool(info.converged)
+    assert 3 <= int(info.steps) <= 10 and float(info.residual) < 1e-8
+    x4, info4 = newton_sqrt(jnp.float64(2.0), return_info=True, check_every=4)
+    np.testing.assert_allclose(x4, x, rtol=0, atol=1e-15)
+    assert int(info4.steps) % 4 == 0
+
+
+def test_non_convergence_raises_with_the_residual():
+    with pytest.raises(Exception, match=r"fixed_point did not converge.*last residual"):
+        jax.block_until_ready(newton_sqrt(1e6, max_steps=3))
+
+
+def test_non_convergence_status_per_vmap_element():
+    a = jnp.array([1.0, 1e6, 4.0])
+    x, info = jax.vmap(lambda a: newton_sqrt(a, max_steps=5, throw=False, return_info=True))(a)
+    np.testing.assert_array_equal(info.status, [SUCCESS, MAX_STEPS, SUCCESS])
+    np.testing.assert_allclose(np.asarray(x)[[0, 2]], [1.0, 2.0])
+
+
+def test_nan_is_reported():
+    x, info = fixed_point(
+        lambda a, x: jnp.log(x) + a, -5.0, 1.0, throw=False, return_info=True, max_steps=50
+    )
+    assert int(info.status) == NONFINITE
+    with pytest.raises(Exception, match="non-finite"):
+        jax.block_until_ready(fixed_point(lambda a, x: jnp.log(x) + a, -5.0, 1.0, max_steps=50))
+
+
+def test_custom_adjoint_solver(x64):
+    solve = functools.partial(linear_solve.gmres, rtol=1e-12)
+    np.testing.assert_allclose(jax.grad(lambda a: newton_sqrt(a, adjoint=solve))(2.0), D1(2.0))
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(TypeError, match="structure of `x_guess`"):
+        fixed_point(lambda a, x: (x, x), 1.0, 1.0)
+    with pytest.raises(TypeError, match="shape and dtype of `x_guess`"):
+        fixed_point(lambda a, x: jnp.ones(3), 1.0, jnp.ones(2))
+    with pytest.raises(TypeError, match="x_guess` leaf 0 has dtype int"):
+        fixed_point(lambda a, x: x, 1.0, jnp.array([1, 2]))
+    with pytest.raises(TypeError, match="`max_steps` must be a Python int"):
+        jax.jit(lambda n: fixed_point(lambda a, x: 0.5 * x, 1.0, 1.0, max_steps=n))(5)
+    with pytest.raises(ValueError, match="`method` must be one of"):
+        newton_sqrt(2.0, method="newton")
+    with pytest.raises(ValueError, match="`adjoint` must be one of"):
+        newton_sqrt(2.0, adjoint="lu")
+    with pytest.raises(ValueError, match="`damping` must be in"):
+        newton_sqrt(2.0, method="damped", damping=1.5)
