@@ -338,6 +338,41 @@ def dense(matvec: MatVec, b: PyTree, *, symmetric: bool = False, throw: bool = T
     return custom_linear_solve(matvec, b, solve, transpose_solve=solve, symmetric=bool(symmetric))
 
 
+def _iterative(
+    name: str,
+    kernel: Callable[..., PyTree],
+    matvec: MatVec,
+    b: PyTree,
+    *,
+    rtol: Any,
+    atol: Any,
+    maxiter: int | None,
+    x0: PyTree | None,
+    throw: bool,
+    default_maxiter: Callable[[int], int],
+    symmetric: bool = False,
+    **kernel_opts: Any,
+) -> PyTree:
+    """The shared wrapper: check the options, then `kernel` inside `custom_linear_solve`
+    (the transpose solve is the same kernel on the transposed operator, started at 0)."""
+    _check_throw(throw, name)
+    b, size, _, rtol, maxiter, x0 = _resolve(name, b, rtol, atol, maxiter, x0)
+    if size == 0:
+        return b
+    maxiter = default_maxiter(size) if maxiter is None else maxiter
+    opts = dict(rtol=rtol, atol=atol, maxiter=maxiter, throw=throw, **kernel_opts)
+
+    def solve(mv, rhs):
+        return kernel(mv, rhs, x0, **opts)
+
+    def transpose_solve(mv, rhs):
+        return kernel(mv, rhs, None, **opts)
+
+    return custom_linear_solve(
+        matvec, b, solve, transpose_solve=transpose_solve, symmetric=symmetric
+    )
+
+
 # ---------------------------------------------------------------------------
 # Krylov solvers from jax.scipy.sparse.linalg, with a convergence check.
 
@@ -394,20 +429,19 @@ def cg(
         x = linear_solve.cg(lambda v: A @ v, jnp.array([1.0, 2.0]))  # [0.0909, 0.6364]
         ```
     """
-    _check_throw(throw, "cg")
-    b, size, _, rtol, maxiter, x0 = _resolve("cg", b, rtol, atol, maxiter, x0)
-    if size == 0:
-        return b
-    maxiter = 10 * size if maxiter is None else maxiter
-    opts = dict(rtol=rtol, atol=atol, maxiter=maxiter, throw=throw)
-
-    def solve(mv, rhs):
-        return _cg_kernel(mv, rhs, x0, **opts)
-
-    def transpose_solve(mv, rhs):
-        return _cg_kernel(mv, rhs, None, **opts)
-
-    return custom_linear_solve(matvec, b, solve, transpose_solve=transpose_solve, symmetric=True)
+    return _iterative(
+        "cg",
+        _cg_kernel,
+        matvec,
+        b,
+        rtol=rtol,
+        atol=atol,
+        maxiter=maxiter,
+        x0=x0,
+        throw=throw,
+        default_maxiter=lambda n: 10 * n,
+        symmetric=True,
+    )
 
 
 def _normal_cg_kernel(mv, rhs, x0, *, rtol, atol, maxiter, throw):
@@ -464,20 +498,18 @@ def normal_cg(
         x = linear_solve.normal_cg(lambda v: A @ v, jnp.array([2.0, 3.0]))  # [3., 2.]
         ```
     """
-    _check_throw(throw, "normal_cg")
-    b, size, _, rtol, maxiter, x0 = _resolve("normal_cg", b, rtol, atol, maxiter, x0)
-    if size == 0:
-        return b
-    maxiter = 10 * size if maxiter is None else maxiter
-    opts = dict(rtol=rtol, atol=atol, maxiter=maxiter, throw=throw)
-
-    def solve(mv, rhs):
-        return _normal_cg_kernel(mv, rhs, x0, **opts)
-
-    def transpose_solve(mv, rhs):
-        return _normal_cg_kernel(mv, rhs, None, **opts)
-
-    return custom_linear_solve(matvec, b, solve, transpose_solve=transpose_solve)
+    return _iterative(
+        "normal_cg",
+        _normal_cg_kernel,
+        matvec,
+        b,
+        rtol=rtol,
+        atol=atol,
+        maxiter=maxiter,
+        x0=x0,
+        throw=throw,
+        default_maxiter=lambda n: 10 * n,
+    )
 
 
 def _gmres_kernel(mv, rhs, x0, *, rtol, atol, restart, maxiter, throw):
@@ -604,20 +636,18 @@ def bicgstab(
         x = linear_solve.bicgstab(lambda v: A @ v, jnp.array([3.0, 3.0]))  # [1., 1.]
         ```
     """
-    _check_throw(throw, "bicgstab")
-    b, size, _, rtol, maxiter, x0 = _resolve("bicgstab", b, rtol, atol, maxiter, x0)
-    if size == 0:
-        return b
-    maxiter = 10 * size if maxiter is None else maxiter
-    opts = dict(rtol=rtol, atol=atol, maxiter=maxiter, throw=throw)
-
-    def solve(mv, rhs):
-        return _bicgstab_kernel(mv, rhs, x0, **opts)
-
-    def transpose_solve(mv, rhs):
-        return _bicgstab_kernel(mv, rhs, None, **opts)
-
-    return custom_linear_solve(matvec, b, solve, transpose_solve=transpose_solve)
+    return _iterative(
+        "bicgstab",
+        _bicgstab_kernel,
+        matvec,
+        b,
+        rtol=rtol,
+        atol=atol,
+        maxiter=maxiter,
+        x0=x0,
+        throw=throw,
+        default_maxiter=lambda n: 10 * n,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -692,20 +722,18 @@ def neumann(
         x = linear_solve.neumann(lambda v: v - J @ v, jnp.array([1.0, 1.0]))  # [2., 2.]
         ```
     """
-    _check_throw(throw, "neumann")
-    b, size, _, rtol, maxiter, x0 = _resolve("neumann", b, rtol, atol, maxiter, x0)
-    if size == 0:
-        return b
-    maxiter = NEUMANN_DEFAULT_MAXITER if maxiter is None else maxiter
-    opts = dict(rtol=rtol, atol=atol, maxiter=maxiter, throw=throw)
-
-    def solve(mv, rhs):
-        return _neumann_kernel(mv, rhs, x0, **opts)
-
-    def transpose_solve(mv, rhs):
-        return _neumann_kernel(mv, rhs, None, **opts)
-
-    return custom_linear_solve(matvec, b, solve, transpose_solve=transpose_solve)
+    return _iterative(
+        "neumann",
+        _neumann_kernel,
+        matvec,
+        b,
+        rtol=rtol,
+        atol=atol,
+        maxiter=maxiter,
+        x0=x0,
+        throw=throw,
+        default_maxiter=lambda n: NEUMANN_DEFAULT_MAXITER,
+    )
 
 
 # ---------------------------------------------------------------------------
