@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _jax_compat as compat
+from ._checks import check_returns_like
 from ._primitive import Primitive, Zero
 
 __all__ = ["custom_linear_solve"]
@@ -79,7 +80,7 @@ def custom_linear_solve(
         print(jax.grad(lambda b: f(a, b).sum())(b))   # [0.4 0.2]
         ```
     """
-    b_leaves, b_tree = jax.tree_util.tree_flatten(b)
+    b_leaves = jax.tree_util.tree_leaves(b)
     if not b_leaves:
         raise TypeError("custom_linear_solve: `b` has no array leaves")
     b_avals = [compat.typeof(x) for x in b_leaves]
@@ -97,25 +98,23 @@ def custom_linear_solve(
             f"{transpose_solve!r}"
         )
 
-    mv, mv_consts, mv_tree = compat.closure_convert(matvec, b)
-    _check_like_b("matvec", "its output", mv, mv_consts, mv_tree, b, b_tree, b_avals, False)
+    mv, mv_consts, _ = compat.closure_convert(matvec, b)
+    _check_like_b("`matvec`", mv, mv_consts, b, False)
 
     def vecmat(y):
         # A^T y, by transposing the user's matvec (linear in its argument).
         (out,) = jax.linear_transpose(matvec, b)(y)
         return out
 
-    sv, sv_consts, sv_tree = compat.closure_convert(lambda r: solve(matvec, r), b)
-    _check_like_b("solve", "its solution", sv, sv_consts, sv_tree, b, b_tree, b_avals, has_aux)
+    sv, sv_consts, _ = compat.closure_convert(lambda r: solve(matvec, r), b)
+    _check_like_b("`solve`", sv, sv_consts, b, has_aux)
     if symmetric:
-        ts, ts_consts, ts_tree = None, [], None
+        ts, ts_consts = None, []
     elif transpose_solve is not None:
-        ts, ts_consts, ts_tree = compat.closure_convert(lambda r: transpose_solve(vecmat, r), b)
-        _check_like_b(
-            "transpose_solve", "its solution", ts, ts_consts, ts_tree, b, b_tree, b_avals, has_aux
-        )
+        ts, ts_consts, _ = compat.closure_convert(lambda r: transpose_solve(vecmat, r), b)
+        _check_like_b("`transpose_solve`", ts, ts_consts, b, has_aux)
     else:
-        ts, ts_consts, ts_tree = None, [], None
+        ts, ts_consts = None, []
 
     return _LinearSolve.apply(
         mv_consts,
@@ -131,29 +130,9 @@ def custom_linear_solve(
     )
 
 
-def _check_like_b(name, what, fn, consts, out_tree, b, b_tree, b_avals, has_aux):
-    """`fn(b)` must return a pytree like `b` (or `(like b, aux)` when has_aux)."""
-    out = jax.eval_shape(lambda c, r: fn(c, r), consts, b)
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"custom_linear_solve: with has_aux=True, `{name}` must return a pair "
-                f"(solution, aux); got a value of structure {out_tree}"
-            )
-        out = out[0]
-    leaves, tree = jax.tree_util.tree_flatten(out)
-    if tree != b_tree:
-        raise TypeError(
-            f"custom_linear_solve: `{name}` must return a pytree with the structure of `b`, "
-            f"but {what} has structure {tree} while `b` has {b_tree}"
-        )
-    for i, (o, a) in enumerate(zip(leaves, b_avals)):
-        if tuple(o.shape) != tuple(a.shape) or o.dtype != a.dtype:
-            raise TypeError(
-                f"custom_linear_solve: `{name}` must preserve the shapes and dtypes of `b`, "
-                f"but leaf {i} of {what} is {o.dtype}{list(o.shape)} where `b` has "
-                f"{a.str_short()}"
-            )
+def _check_like_b(what, fn, consts, b, has_aux):
+    out = jax.eval_shape(fn, consts, b)
+    check_returns_like("custom_linear_solve", what, out, b, "b", has_aux=has_aux)
 
 
 class _LinearSolve(Primitive):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _jax_compat as compat
+from ._checks import check_returns_like
 from ._primitive import Primitive, Zero
 
 __all__ = ["custom_root"]
@@ -77,19 +78,15 @@ def custom_root(
         print(jax.grad(sqrt)(2.0))  # 0.35355338 = 1 / (2 sqrt(2))
         ```
     """
-    guess_leaves, guess_tree = jax.tree_util.tree_flatten(initial_guess)
-    guess_avals = [compat.typeof(x) for x in guess_leaves]
     for name in ("solve", "tangent_solve"):
         fn = solve if name == "solve" else tangent_solve
         if not callable(fn):
             raise TypeError(f"custom_root: `{name}` must be callable, got {fn!r}")
 
-    f_conv, f_consts, f_tree = compat.closure_convert(f, initial_guess)
-    _check_like_guess("f", "f(initial_guess)", f_conv, f_consts, initial_guess, guess_avals, False)
+    f_conv, f_consts, _ = compat.closure_convert(f, initial_guess)
+    _check_like_guess("f(initial_guess)", f_conv, f_consts, initial_guess, False)
     s_conv, s_consts, _ = compat.closure_convert(lambda x: solve(f, x), initial_guess)
-    _check_like_guess(
-        "solve", "solve(f, initial_guess)", s_conv, s_consts, initial_guess, guess_avals, has_aux
-    )
+    _check_like_guess("solve(f, initial_guess)", s_conv, s_consts, initial_guess, has_aux)
 
     def linearize_and_solve(x, y):
         _, f_jvp = jax.linearize(f, x)
@@ -99,13 +96,7 @@ def custom_root(
         linearize_and_solve, initial_guess, initial_guess
     )
     _check_like_guess(
-        "tangent_solve",
-        "tangent_solve(g, y)",
-        lambda c, x: ls_conv(c, x, x),
-        ls_consts,
-        initial_guess,
-        guess_avals,
-        False,
+        "tangent_solve(g, y)", lambda c, x: ls_conv(c, x, x), ls_consts, initial_guess, False
     )
     return _Root.apply(
         f_consts,
@@ -119,29 +110,9 @@ def custom_root(
     )
 
 
-def _check_like_guess(name, what, fn, consts, guess, guess_avals, has_aux):
+def _check_like_guess(what, fn, consts, guess, has_aux):
     out = jax.eval_shape(fn, consts, guess)
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                f"custom_root: with has_aux=True, `{name}` must return a pair (root, aux), "
-                f"got {jax.tree_util.tree_structure(out)}"
-            )
-        out = out[0]
-    guess_tree = jax.tree_util.tree_structure(guess)
-    leaves, tree = jax.tree_util.tree_flatten(out)
-    if tree != guess_tree:
-        raise TypeError(
-            f"custom_root: {what} must have the pytree structure of `initial_guess`, "
-            f"got {tree} and {guess_tree}"
-        )
-    for i, (o, a) in enumerate(zip(leaves, guess_avals)):
-        if tuple(o.shape) != tuple(a.shape) or o.dtype != a.dtype:
-            raise TypeError(
-                f"custom_root: {what} must match `initial_guess` in shape and dtype, but "
-                f"leaf {i} is {o.dtype}{list(o.shape)} where `initial_guess` has "
-                f"{a.str_short()}"
-            )
+    check_returns_like("custom_root", what, out, guess, "initial_guess", has_aux=has_aux)
 
 
 class _Root(Primitive):
