@@ -1,4 +1,4 @@
-"""Shared fixtures: float64 on demand, restored afterwards."""
+"""Shared fixtures: float64 on demand and fast compiles, restored afterwards."""
 
 import jax
 import pytest
@@ -13,3 +13,16 @@ def x64():
         yield
     finally:
         jax.config.update("jax_enable_x64", old)
+
+
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """For modules that compile many small XLA programs and run each once: skip XLA's
+    expensive optimisation passes (the derivative rules under test do not depend on them).
+    Use with `pytestmark = pytest.mark.usefixtures("fast_compiles")`."""
+    old = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", old)

@@ -27,16 +27,7 @@ def dtype(request):
     return np.dtype(request.param)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """These tests compile many small XLA programs and run each once: skip XLA's expensive
-    optimisation passes (the derivative rules under test do not depend on them)."""
-    old = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def tol(dtype, f32, f64):

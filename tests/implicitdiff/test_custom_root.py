@@ -91,16 +91,7 @@ def tree_tangent_solve(g, y):
 SOLVERS = {"binary_search": binary_search, "newton": newton_scalar}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """These tests compile many small XLA programs and run each once: skip XLA's expensive
-    optimisation passes (the derivative rules under test do not depend on them)."""
-    old = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 @pytest.fixture(params=["float32", "float64"])
