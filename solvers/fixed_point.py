@@ -25,6 +25,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import implicit_diff, linear_solve
 
+from ._checks import float_dtype, returns_like, static_bool, static_float, static_int
 from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo, max_norm, report
 
 __all__ = ["fixed_point"]
@@ -106,24 +107,19 @@ def fixed_point(
         raise TypeError(f"fixed_point: `f` must be callable as f(a, x), got {f!r}")
     if method not in _METHODS:
         raise ValueError(f"fixed_point: `method` must be one of {_METHODS}, got {method!r}")
-    max_steps = _static_int("max_steps", max_steps, minimum=1)
-    history = _static_int("history", history, minimum=1)
-    check_every = _static_int("check_every", check_every, minimum=1)
-    for name, value in (("damping", damping), ("regularisation", regularisation)):
-        if isinstance(value, jax.core.Tracer):
-            raise TypeError(
-                f"fixed_point: `{name}` must be a Python float (it configures the solver), "
-                "got a traced value; to differentiate with respect to it, make it part of "
-                "`a` and use it inside `f`"
-            )
-    if not 0.0 < float(damping) <= 1.0:
+    name = "fixed_point"
+    max_steps = static_int(name, "max_steps", max_steps, minimum=1)
+    history = static_int(name, "history", history, minimum=1)
+    check_every = static_int(name, "check_every", check_every, minimum=1)
+    damping = static_float(name, "damping", damping)
+    regularisation = static_float(name, "regularisation", regularisation)
+    if not 0.0 < damping <= 1.0:
         raise ValueError(f"fixed_point: `damping` must be in (0, 1], got {damping}")
-    for name, value in (("throw", throw), ("return_info", return_info)):
-        if not isinstance(value, bool):
-            raise TypeError(f"fixed_point: `{name}` must be True or False, got {value!r}")
+    static_bool(name, "throw", throw)
+    static_bool(name, "return_info", return_info)
 
-    dtype = _check_guess(x_guess)
-    _check_f(f, a, x_guess)
+    dtype = float_dtype(name, "x_guess", x_guess)
+    returns_like(name, "f(a, x_guess)", jax.eval_shape(f, a, x_guess), "x_guess", x_guess)
     default_tol = 1e-10 if dtype == np.float64 else 1e-6
     rtol = default_tol if rtol is None else rtol
     atol = default_tol if atol is None else atol
@@ -131,16 +127,14 @@ def fixed_point(
 
     step = {
         "iterate": _iterate_step,
-        "damped": functools.partial(_damped_step, damping=float(damping)),
+        "damped": functools.partial(_damped_step, damping=damping),
     }.get(method)
 
     def solver(x0, a):
         if method == "anderson":
-            return _anderson(
-                f, a, x0, rtol, atol, max_steps, float(damping), history, float(regularisation)
-            )
+            return _anderson(f, a, x0, rtol, atol, max_steps, damping, history, regularisation)
         # A damped step is `damping` times the undamped one: measure the undamped size.
-        scale = float(damping) if method == "damped" else 1.0
+        scale = damping if method == "damped" else 1.0
         return _iterate(f, a, x0, step, rtol, atol, max_steps, check_every, scale)
 
     def residual(x, a):
@@ -152,52 +146,7 @@ def fixed_point(
 
 
 # ---------------------------------------------------------------------------
-# Argument checks.
-
-
-def _static_int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"fixed_point: `{name}` must be a Python int (it shapes the computation), got a "
-            "traced value; pass it as a constant, not through jit/vmap arguments"
-        )
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"fixed_point: `{name}` must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_guess(x_guess: Any) -> Any:
-    leaves = jax.tree_util.tree_leaves(x_guess)
-    if not leaves:
-        raise TypeError("fixed_point: `x_guess` has no array leaves")
-    dtypes = set()
-    for i, leaf in enumerate(leaves):
-        dt = jnp.result_type(leaf)
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise TypeError(
-                f"fixed_point: `x_guess` leaf {i} has dtype {dt}; the iterate must be real "
-                "floating point (e.g. pass 1.0 rather than 1, or x.astype(jnp.float32))"
-            )
-        dtypes.add(np.dtype(dt))
-    return max(dtypes, key=lambda d: d.itemsize)
-
-
-def _check_f(f, a, x_guess):
-    out = jax.eval_shape(f, a, x_guess)
-    want = jax.eval_shape(lambda x: x, x_guess)
-    t_out, t_want = jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(want)
-    if t_out != t_want:
-        raise TypeError(
-            "fixed_point: f(a, x_guess) must return a pytree with the structure of `x_guess`; "
-            f"got {t_out} for f(a, x_guess) and {t_want} for x_guess"
-        )
-    pairs = zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want))
-    for i, (o, w) in enumerate(pairs):
-        if o.shape != w.shape or o.dtype != w.dtype:
-            raise TypeError(
-                f"fixed_point: f(a, x_guess) must keep the shape and dtype of `x_guess`, but "
-                f"leaf {i} is {o.dtype}{list(o.shape)} where x_guess has {w.dtype}{list(w.shape)}"
-            )
+# Arguments.
 
 
 def _adjoint_solver(adjoint, dtype, max_steps):

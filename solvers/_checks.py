@@ -1,0 +1,78 @@
+"""Argument checks shared by the nonlinear solvers; each message names the solver and argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["static_int", "static_float", "static_bool", "float_dtype", "returns_like"]
+
+
+def static_int(name: str, arg: str, value: Any, *, minimum: int) -> int:
+    """`value` as a Python int >= `minimum`; a Tracer or anything else is an error."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name}: `{arg}` must be a Python int (it shapes the computation), got a "
+            "traced value; pass it as a constant, not through jit/vmap arguments"
+        )
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name}: `{arg}` must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def static_float(name: str, arg: str, value: Any) -> float:
+    """`value` as a Python float; a Tracer is an error that says how to differentiate it."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name}: `{arg}` must be a Python float (it configures the solver), got a "
+            "traced value; to differentiate with respect to it, pass it among the "
+            "differentiated arguments and use it inside the function"
+        )
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: `{arg}` must be a float, got {value!r}") from None
+
+
+def static_bool(name: str, arg: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: `{arg}` must be True or False, got {value!r}")
+    return value
+
+
+def float_dtype(name: str, arg: str, tree: Any) -> np.dtype:
+    """The widest floating dtype among `tree`'s leaves; non-float leaves are an error."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves:
+        raise TypeError(f"{name}: `{arg}` has no array leaves")
+    dtypes = set()
+    for i, leaf in enumerate(leaves):
+        dt = jnp.result_type(leaf)
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise TypeError(
+                f"{name}: `{arg}` leaf {i} has dtype {dt}; it must be real floating point "
+                "(e.g. pass 1.0 rather than 1, or x.astype(jnp.float32))"
+            )
+        dtypes.add(np.dtype(dt))
+    return max(dtypes, key=lambda d: d.itemsize)
+
+
+def returns_like(name: str, call: str, out: Any, arg: str, like: Any) -> None:
+    """Raise unless `out` (abstract) has the structure, shapes and dtypes of `like`."""
+    want = jax.eval_shape(lambda x: x, like)
+    t_out, t_want = jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(want)
+    if t_out != t_want:
+        raise TypeError(
+            f"{name}: {call} must return a pytree with the structure of `{arg}`; "
+            f"got {t_out} for {call} and {t_want} for {arg}"
+        )
+    pairs = zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want))
+    for i, (o, w) in enumerate(pairs):
+        if o.shape != w.shape or o.dtype != w.dtype:
+            raise TypeError(
+                f"{name}: {call} must keep the shape and dtype of `{arg}`, but leaf {i} is "
+                f"{o.dtype}{list(o.shape)} where {arg} has {w.dtype}{list(w.shape)}"
+            )
