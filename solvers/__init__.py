@@ -7,7 +7,18 @@
 `root`, `minimize`, `odeint` and `solvers.nn` arrive with later issues.
 """
 
-from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
+from ._info import BAD_BRACKET, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
 from .fixed_point import fixed_point
+from .minimize import minimize
+from .root import root
 
-__all__ = ["fixed_point", "SolveInfo", "SUCCESS", "MAX_STEPS", "NONFINITE"]
+__all__ = [
+    "fixed_point",
+    "root",
+    "minimize",
+    "SolveInfo",
+    "SUCCESS",
+    "MAX_STEPS",
+    "NONFINITE",
+    "BAD_BRACKET",
+]

@@ -10,11 +10,30 @@ from jaxtyping import Array, Bool, Float, Int
 
 from implicitdiff import error_if
 
-__all__ = ["SolveInfo", "SUCCESS", "MAX_STEPS", "NONFINITE", "STATUS_NAMES", "report"]
+__all__ = [
+    "SolveInfo",
+    "SUCCESS",
+    "MAX_STEPS",
+    "NONFINITE",
+    "BAD_BRACKET",
+    "STATUS_NAMES",
+    "report",
+    "default_tolerance",
+]
 
 #: `SolveInfo.status` codes.
-SUCCESS, MAX_STEPS, NONFINITE = 0, 1, 2
-STATUS_NAMES = {SUCCESS: "converged", MAX_STEPS: "max_steps reached", NONFINITE: "non-finite"}
+SUCCESS, MAX_STEPS, NONFINITE, BAD_BRACKET = 0, 1, 2, 3
+STATUS_NAMES = {
+    SUCCESS: "converged",
+    MAX_STEPS: "max_steps reached",
+    NONFINITE: "non-finite values",
+    BAD_BRACKET: "f has the same sign at both ends of the bracket",
+}
+
+
+def default_tolerance(dtype: Any) -> float:
+    """The default `rtol` and `atol` on a step: 1e-10 in float64, 1e-6 in narrower floats."""
+    return 1e-10 if jnp.dtype(dtype).itemsize >= 8 else 1e-6
 
 
 class SolveInfo(eqx.Module):
@@ -25,7 +44,8 @@ class SolveInfo(eqx.Module):
         residual: the last convergence measure (for `fixed_point`, the size of the
             last step relative to the tolerance's scale; for `root`, `|f(x)|`; for
             `minimize`, `|grad f(x)|`), in the max norm.
-        status: `SUCCESS` (0), `MAX_STEPS` (1) or `NONFINITE` (2).
+        status: `SUCCESS` (0), `MAX_STEPS` (1), `NONFINITE` (2) or, for
+            `root(method="bisection")`, `BAD_BRACKET` (3).
     """
 
     steps: Int[Array, ...]
@@ -42,12 +62,14 @@ def report(x: Any, info: SolveInfo, *, throw: bool, name: str, max_steps: int) -
     """Return `x`; when `throw`, raise at run time if the solve did not converge."""
     if not throw:
         return x
+    codes = ", ".join(f"{code}: {STATUS_NAMES[code]}" for code in sorted(STATUS_NAMES) if code)
     msg = (
-        f"{name} did not converge: status {{status}} (1: max_steps={max_steps} reached, "
-        "2: non-finite values) after {steps} steps, last residual {residual:.3e}. "
-        "To fix it: raise `max_steps`, loosen `rtol`/`atol`, try another `method` "
-        "(e.g. damping or Anderson acceleration for a fixed point), or check the inputs "
-        "for NaN. Pass `throw=False` (with `return_info=True`) to get the status instead."
+        f"{name} did not converge: status {{status}} ({codes}; max_steps={max_steps}) "
+        "after {steps} steps, last residual {residual:.3e}. To fix it: raise `max_steps`, "
+        "loosen `rtol`/`atol`, try another `method` (e.g. damping or Anderson acceleration "
+        "for a fixed point, Newton for a root), start closer to the solution, or check the "
+        "inputs for NaN. Pass `throw=False` (with `return_info=True`) to get the status "
+        "instead."
     )
     return error_if(
         x,

@@ -1,0 +1,134 @@
+"""The solvers' problems for the `implicitdiff-gradcheck` catalogue.
+
+`implicitdiff` never imports `solvers`; this module is published under the
+entry-point group `implicitdiff.gradcheck` (see pyproject.toml), so the command
+line finds these problems whenever `solvers` is installed. Each checks a solver's
+implicit derivatives, to second order, against finite differences in float64 and
+against a closed form.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from implicitdiff.gradcheck import Problem
+
+__all__ = ["problems"]
+
+
+def _fixed_point_newton_sqrt():
+    from solvers import fixed_point
+
+    def newton_sqrt(a):
+        return fixed_point(lambda a, x: 0.5 * (x + a / x), a, a)
+
+    return newton_sqrt, (jnp.array([0.5, 2.0, 9.0]),), jnp.sqrt
+
+
+def _anderson_cos():
+    from solvers import fixed_point
+
+    def solve(a):
+        # x = cos(a x) elementwise, Anderson-accelerated; a contraction for |a| < 1
+        return fixed_point(lambda a, x: jnp.cos(a * x), a, jnp.zeros_like(a), method="anderson")
+
+    return solve, (jnp.array([0.3, 0.6, 0.9]),)
+
+
+def _root_newton_system():
+    from solvers import root
+
+    def f(x, A, b):
+        return A @ x + 0.1 * x**3 - b
+
+    def solve(A, b):
+        return root(f, jnp.zeros_like(b), A, b, method="newton")
+
+    rng = np.random.default_rng(2)
+    A = jnp.asarray(rng.standard_normal((3, 3)) + 3.0 * np.eye(3))
+    b = jnp.asarray(rng.standard_normal(3))
+    return solve, (A, b)
+
+
+def _root_bisection_cbrt():
+    from solvers import root
+
+    def cbrt(a):
+        return root(lambda x, a: x**3 - a, 1.0, a, method="bisection", bracket=(0.0, 10.0))
+
+    return cbrt, (jnp.asarray(5.0),), jnp.cbrt
+
+
+def _minimize_ridge():
+    from solvers import minimize
+
+    rng = np.random.default_rng(3)
+    n, d = 10, 3
+    X = jnp.asarray(rng.standard_normal((n, d)))
+    y = jnp.asarray(rng.standard_normal(n))
+
+    def loss(w, lam, X, y):
+        return 0.5 * jnp.mean((X @ w - y) ** 2) + 0.5 * lam * w @ w
+
+    def ridge(lam, X, y):
+        return minimize(loss, jnp.zeros(X.shape[1], X.dtype), lam, X, y, rtol=1e-13, atol=1e-13)
+
+    def closed_form(lam, X, y):
+        n, d = X.shape
+        return jnp.linalg.solve(X.T @ X + lam * n * jnp.eye(d, dtype=X.dtype), X.T @ y)
+
+    return ridge, (jnp.asarray(0.3), X, y), closed_form
+
+
+def _minimize_newton_log():
+    from solvers import minimize
+
+    def argmin(a):
+        # argmin_x exp(x) - a x = log(a)
+        return minimize(
+            lambda x, a: jnp.sum(jnp.exp(x) - a * x),
+            jnp.zeros_like(a),
+            a,
+            method="newton",
+            rtol=1e-13,
+            atol=1e-13,
+        )
+
+    return argmin, (jnp.array([0.5, 2.0, 7.0]),), jnp.log
+
+
+def problems() -> list[Problem]:
+    """The solvers' gradient-check problems (the `implicitdiff.gradcheck` entry point)."""
+    return [
+        Problem(
+            "fixed-point-newton-sqrt",
+            _fixed_point_newton_sqrt,
+            description="solvers.fixed_point: the hijax guide's Newton sqrt, vs jnp.sqrt",
+        ),
+        Problem(
+            "fixed-point-anderson-cos",
+            _anderson_cos,
+            description="solvers.fixed_point(method='anderson'): x = cos(a x)",
+        ),
+        Problem(
+            "root-newton-system",
+            _root_newton_system,
+            description="solvers.root(method='newton'): A x + 0.1 x^3 = b, d/dA and d/db",
+        ),
+        Problem(
+            "root-bisection-cbrt",
+            _root_bisection_cbrt,
+            description="solvers.root(method='bisection'): x^3 = a, vs jnp.cbrt",
+        ),
+        Problem(
+            "minimize-ridge",
+            _minimize_ridge,
+            description="solvers.minimize (L-BFGS): ridge regression vs its closed form",
+        ),
+        Problem(
+            "minimize-newton-log",
+            _minimize_newton_log,
+            description="solvers.minimize(method='newton'): argmin exp(x) - a x = log(a)",
+        ),
+    ]
