@@ -2,9 +2,14 @@
 
 - `fixed_point`: solve `x = f(a, x)` (plain, damped or Anderson iteration) with
   implicit derivatives.
-- `SolveInfo`: steps, residual and status of a solve (`return_info=True`).
+- `root`: solve `f(x, *args) = 0` (Newton, chord, Broyden, bisection) with
+  implicit derivatives through `implicitdiff.custom_root`.
+- `minimize`: `argmin_x fun(x, *args)` (optax L-BFGS or any optax transformation,
+  Newton) differentiated through `grad_x fun = 0`.
+- `SolveInfo`: steps, residual and status of a solve (`return_info=True`), with
+  the status codes `SUCCESS`, `MAX_STEPS`, `NONFINITE`, `BAD_BRACKET`.
 
-`root`, `minimize`, `odeint` and `solvers.nn` arrive with later issues.
+`odeint` and `solvers.nn` arrive with later issues.
 """
 
 from ._info import BAD_BRACKET, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
