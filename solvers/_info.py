@@ -41,9 +41,9 @@ class SolveInfo(eqx.Module):
 
     Attributes:
         steps: number of iterations taken.
-        residual: the last convergence measure (for `fixed_point`, the size of the
-            last step relative to the tolerance's scale; for `root`, `|f(x)|`; for
-            `minimize`, `|grad f(x)|`), in the max norm.
+        residual: the last convergence measure, in the max norm: for
+            `fixed_point`, the last (undamped) step `|f(a, x) - x|`; for `root`,
+            `|f(x)|` at the answer; for `minimize`, `|grad_x fun(x)|`.
         status: `SUCCESS` (0), `MAX_STEPS` (1), `NONFINITE` (2) or, for
             `root(method="bisection")`, `BAD_BRACKET` (3).
     """

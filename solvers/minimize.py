@@ -69,8 +69,11 @@ def minimize(
             `optax.adam(1e-2)` or `optax.lbfgs(memory_size=20)`; transformations
             that need the value or the objective (L-BFGS, line searches) receive
             `value`, `grad` and `value_fn`.
-        rtol: relative tolerance: converged when `max |grad_x fun| <= atol + rtol |fun|`.
-            Default 1e-5 in float32, 1e-8 in float64.
+        rtol: relative tolerance: converged when
+            `max |grad_x fun(x)| <= atol + rtol max |grad_x fun(x0)|`, i.e. when the
+            gradient is small in absolute terms or has shrunk by the factor `rtol`
+            (independent of constant offsets in `fun`). Default 1e-5 in float32,
+            1e-10 in float64.
         atol: absolute tolerance on the gradient (same defaults).
         max_steps: the most iterations before giving up (a Python int).
         linear_solver: how systems with the Hessian are solved in the derivatives:
@@ -116,7 +119,7 @@ def minimize(
     static_bool(name, "return_info", return_info)
     dtype = float_dtype(name, "x0", x0)
     _check_scalar_objective(fun, x0, args)
-    default = 1e-8 if jnp.dtype(dtype).itemsize >= 8 else 1e-5
+    default = 1e-10 if jnp.dtype(dtype).itemsize >= 8 else 1e-5
     rtol = default if rtol is None else rtol
     atol = default if atol is None else atol
     solve = _linear_solver(linear_solver)
@@ -131,7 +134,7 @@ def minimize(
 
         if method == "newton":
             return _newton(objective, x_init, rtol, atol, max_steps)
-        opt = optax.lbfgs() if method == "lbfgs" else method
+        opt = optax.lbfgs() if method == "lbfgs" else optax.with_extra_args_support(method)
         return _optax(objective, x_init, opt, rtol, atol, max_steps)
 
     x, info = solver(x0, *args)
@@ -168,10 +171,10 @@ def _linear_solver(linear_solver):
     return solve
 
 
-def _gradient_ratio(value, grad, rtol, atol):
-    """max |grad| / (atol + rtol |value|), and max |grad|."""
+def _gradient_ratio(grad, tolerance):
+    """max |grad| / tolerance, and max |grad|."""
     size = max_norm(jax.tree_util.tree_leaves(grad))
-    return size / (atol + rtol * jnp.abs(value)), size
+    return size / tolerance, size
 
 
 def _info(ratio, size, steps, finite):
@@ -202,11 +205,12 @@ def _optax(objective, x0, opt, rtol, atol, max_steps):
         updates, state = opt.update(grad, state, x, value=value, grad=grad, value_fn=objective)
         x = optax.apply_updates(x, updates)
         value, grad = value_and_grad(x, state=state) if cached else value_and_grad(x)
-        ratio, size = _gradient_ratio(value, grad, rtol, atol)
+        ratio, size = _gradient_ratio(grad, tolerance)
         return x, state, value, grad, ratio, size, steps + 1, _all_finite(value, grad)
 
     value, grad = jax.value_and_grad(objective)(x0)
-    ratio, size = _gradient_ratio(value, grad, rtol, atol)
+    tolerance = atol + rtol * max_norm(jax.tree_util.tree_leaves(grad))
+    ratio, size = _gradient_ratio(grad, tolerance)
     steps = jnp.asarray(0, jnp.int32)
     init = (x0, state0, value, grad, ratio, size, steps, _all_finite(value, grad))
     x, *_, ratio, size, steps, finite = jax.lax.while_loop(cond, body, init)
@@ -236,17 +240,22 @@ def _newton(objective, x0, rtol, atol, max_steps):
         p = jnp.where(newton_ok, p, -grad)
         slope = jnp.where(newton_ok, slope, -(grad @ grad))
 
+        # Armijo backtracking. Near the minimum the decrease can be below the rounding
+        # of f (float32 especially); a change within a few ulps of f counts as no increase.
+        slack = 4 * jnp.finfo(x.dtype).eps * jnp.abs(value)
+
         def too_long(t):
-            return (f(x + t * p) > value + 1e-4 * t * slope) & (t > 1e-10)
+            return (f(x + t * p) > value + 1e-4 * t * slope + slack) & (t > 1e-10)
 
         t = jax.lax.while_loop(too_long, lambda t: 0.5 * t, jnp.ones((), x.dtype))
         x = x + t * p
         value, grad = value_and_grad(x)
-        ratio, size = _gradient_ratio(value, grad, rtol, atol)
+        ratio, size = _gradient_ratio(grad, tolerance)
         return x, value, grad, ratio, size, steps + 1, _all_finite(value, grad)
 
     value, grad = value_and_grad(flat0)
-    ratio, size = _gradient_ratio(value, grad, rtol, atol)
+    tolerance = atol + rtol * max_norm([grad])
+    ratio, size = _gradient_ratio(grad, tolerance)
     steps = jnp.asarray(0, jnp.int32)
     init = (flat0, value, grad, ratio, size, steps, _all_finite(value, grad))
     x, *_, ratio, size, steps, finite = jax.lax.while_loop(cond, body, init)

@@ -273,7 +273,8 @@ def _broyden(g, x0, *, rtol, atol, max_steps, linear_solver):
     """Broyden's "good" method on the inverse Jacobian, from the exact one at `x0`."""
     del linear_solver
     flat0, unravel, g_flat = _flat(g, x0)
-    inv0 = jnp.linalg.inv(jax.jacfwd(g_flat)(flat0))
+    lu = jax.scipy.linalg.lu_factor(jax.jacfwd(g_flat)(flat0))
+    inv0 = jax.scipy.linalg.lu_solve(lu, jnp.eye(flat0.size, dtype=flat0.dtype))
     tiny = jnp.finfo(flat0.dtype).tiny
 
     def direction(inv, fx):
@@ -315,7 +316,7 @@ def _bisection(g, x0, *, lower, upper, rtol, atol, max_steps):
         lo, hi, _, steps = carry
         mid = 0.5 * (lo + hi)
         f_mid = g(mid)
-        lo, hi = jnp.where(f_mid <= 0, mid, lo), jnp.where(f_mid <= 0, hi, mid)
+        lo, hi = jnp.where(f_mid <= 0, mid, lo), jnp.where(f_mid < 0, hi, mid)
         return lo, hi, f_mid, steps + 1
 
     nan = jnp.asarray(jnp.nan, dt)
