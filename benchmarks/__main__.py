@@ -47,6 +47,18 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
         "optimistix)",
         {m: ["-m", "benchmarks.implicit_vs_unrolled", f"--{m}"] for m in ("quick", "full")},
     ),
+    "newton_sqrt": (
+        "Newton's sqrt as a fixed point: solvers.fixed_point vs the hijax guide, custom_vjp, "
+        "jaxopt, optimistix, unrolled (per call, vmap over 1e6, compile; float32 and float64)",
+        {m: ["-m", "benchmarks.newton_sqrt", f"--{m}"] for m in ("quick", "full")},
+    ),
+    "transformations": (
+        "every solver method under every transformation, float64, vs closed forms (ok/FAIL)",
+        {
+            m: ["-m", "benchmarks.transformations", "--output", str(RESULTS / "transformations.md")]
+            for m in ("quick", "full")
+        },
+    ),
 }
 
 

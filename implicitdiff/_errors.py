@@ -68,20 +68,36 @@ class _DropOurCallbackLogs(logging.Filter):
 logging.getLogger("jax._src.callback").addFilter(_DropOurCallbackLogs())
 
 
+def reduce_any(pred: Any, axis: int | None = None) -> jax.Array:
+    """`jnp.any(pred, axis)`, computed as a maximum over int8.
+
+    XLA's CPU backend fuses that reduction with the comparison producing `pred`, one
+    pass over the data; a reduction over booleans becomes a tree of several passes.
+    """
+    pred = jnp.asarray(pred)
+    if pred.ndim == 0:
+        return pred
+    return jnp.max(pred.astype(jnp.int8), axis=axis, initial=0) > 0
+
+
 @jax.custom_batching.custom_vmap
-def _any_over_batch(pred: jax.Array) -> jax.Array:
-    """Identity on a scalar bool; under `vmap` returns whether any batch element is True."""
+def any_over_batch(pred: jax.Array) -> jax.Array:
+    """Identity on a scalar bool; under `vmap`, whether any batch element is True.
+
+    The result is not batched, so a `lax.while_loop` or `lax.cond` whose predicate it is
+    stays one loop or branch for the whole batch, not a masked one per element.
+    """
     return pred
 
 
-@_any_over_batch.def_vmap
+@any_over_batch.def_vmap
 def _any_over_batch_rule(axis_size, in_batched, pred):
     del axis_size
     (batched,) = in_batched
     if batched:
-        pred = jnp.any(pred, axis=0)
+        pred = reduce_any(pred, axis=0)
     # Calling ourselves again lets an enclosing vmap (if any) collapse its own axis too.
-    return _any_over_batch(pred), False
+    return any_over_batch(pred), False
 
 
 def _format_message(msg: str, names: tuple[str, ...], pred: np.ndarray, values) -> str:
@@ -116,7 +132,7 @@ def _host_check(static, pred, values, leaves):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _checked(static, pred, values, leaves):
-    any_failed = _any_over_batch(jnp.any(pred))
+    any_failed = any_over_batch(reduce_any(pred))
 
     def fail(pred, values, leaves):
         shapes = tuple(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves)

@@ -290,6 +290,17 @@ def carries_tangent(x: Any) -> bool:
     return callable(contents) and any(carries_tangent(v) for _, v in contents())
 
 
+def vmap_size(x: Any) -> int:
+    """The product of the sizes of the `vmap` axes `x` is batched over (1 when `x` is
+    not a tracer of `vmap`): inside `vmap` a function sees one element of the batch."""
+    n = 1
+    while isinstance(x, _batching.BatchTracer):
+        if isinstance(x.batch_dim, int):  # None when this tracer is not mapped
+            n *= int(np.shape(x.val)[x.batch_dim])
+        x = x.val
+    return n
+
+
 # ---------------------------------------------------------------------------
 # Closure conversion for higher-order primitives (custom_root, custom_linear_solve).
 

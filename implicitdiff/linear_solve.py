@@ -73,7 +73,7 @@ import jax.scipy.sparse.linalg as jsp_linalg
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ._errors import error_if
+from ._errors import any_over_batch, error_if
 from .linear_system import custom_linear_solve
 
 __all__ = [
@@ -248,9 +248,14 @@ def _check_converged(
     atol: Any,
     maxiter: int,
     iter_word: str = "iterations",
+    residual: PyTree | None = None,
 ) -> PyTree:
-    """Attach the residual check of an iterative solve to its result `x`."""
-    rnorm = _tree_norm(_tree_sub(matvec(x), b))
+    """Attach the residual check of an iterative solve to its result `x`.
+
+    `residual` is `b - matvec(x)` when the solver already has it (saving a matvec)."""
+    if residual is None:
+        residual = _tree_sub(matvec(x), b)
+    rnorm = _tree_norm(residual)
     tol = jnp.maximum(rtol * _tree_norm(b), atol).astype(rnorm.dtype)
     failed = jnp.logical_not(rnorm <= RESIDUAL_SLACK * tol)
     failed = jnp.logical_or(failed, jnp.logical_not(_all_finite(x)))
@@ -267,10 +272,6 @@ def _check_converged(
         f"Note: {_HINTS[name]}. Pass `throw=False` to skip this check."
     )
     return error_if(x, failed, msg, values={"residual": rnorm, "tol": tol})
-
-
-def _zeros_like(tree: PyTree) -> PyTree:
-    return jax.tree_util.tree_map(jnp.zeros_like, tree)
 
 
 # ---------------------------------------------------------------------------
@@ -656,24 +657,28 @@ def bicgstab(
 
 def _neumann_kernel(mv, rhs, x0, *, rtol, atol, maxiter, throw):
     tol = jnp.maximum(rtol * _tree_norm(rhs), atol)
-    if x0 is None:
-        x, r = _zeros_like(rhs), rhs
+    if x0 is None:  # the first step from zero, x = b, taken here
+        x, k = rhs, 1
     else:
-        x, r = x0, _tree_sub(rhs, mv(x0))
+        x, k = x0, 0
+    r = _tree_sub(rhs, mv(x))
 
     def keep_going(state):
         _, r, k = state
         rnorm = _tree_norm(r)
-        return (rnorm > tol) & (k < maxiter) & jnp.isfinite(rnorm)
+        # Under vmap the loop runs until every element has converged (the converged
+        # ones keep iterating, which only shrinks their residual): one loop over the
+        # batch rather than one masked loop per element.
+        return (k < maxiter) & any_over_batch((rnorm > tol) & jnp.isfinite(rnorm))
 
     def step(state):
         x, r, k = state
         x = jax.tree_util.tree_map(operator.add, x, r)  # x + (b - A x)
         return x, _tree_sub(rhs, mv(x)), k + 1
 
-    x, _, _ = jax.lax.while_loop(keep_going, step, (x, r, 0))
+    x, r, _ = jax.lax.while_loop(keep_going, step, (x, r, k))
     if throw:
-        x = _check_converged("neumann", mv, rhs, x, rtol, atol, maxiter)
+        x = _check_converged("neumann", mv, rhs, x, rtol, atol, maxiter, residual=r)
     return x
 
 
@@ -695,7 +700,9 @@ def neumann(
     This is the natural solver for the backward pass of a fixed-point iteration
     `z = f(z)`, where `A = I - df/dz` and `f` is a contraction: it needs one matvec per step
     and no extra memory. It stops when `||b - matvec(x)|| <= max(rtol * ||b||, atol)`, after
-    `maxiter` steps, or when the residual stops being finite.
+    `maxiter` steps, or when the residual stops being finite. Under `vmap` the batch is
+    one loop: it stops when every element has, and the converged elements keep
+    iterating until then (which only shrinks their residuals).
 
     Arguments:
         matvec: linear function on pytrees shaped like `b`, with `I - matvec` of spectral

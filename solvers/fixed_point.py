@@ -7,13 +7,22 @@ and `B = d_a f` at the solution `x*`,
     dx* = (I - A)^{-1} B da        (forward mode)
     a_bar = B^T w,  (I - A)^T w = x_bar        (reverse mode)
 
-which `implicitdiff.implicit_diff` derives from the residual `x - f(a, x)`. The
-linear solve is the `adjoint` argument: the Neumann series (the backward pass of
-JAX's fixed-point guide, and as fast as the forward iteration) by default.
+With the default `adjoint="neumann"` both linear systems are solved as fixed points
+themselves, `t = B da + A t` and `w = x_bar + A^T w`, by the same iteration (the
+backward pass of JAX's hijax guide): `fixed_point` is one `implicitdiff.Primitive`
+whose derivative rules apply it again to those linear maps, so derivatives of any
+order follow. With another `adjoint` the linear systems go to that solver of
+`implicitdiff.linear_solve` through `implicitdiff.implicit_diff`.
+
+Under `vmap` each loop runs over the whole batch until every element has converged
+(the converged ones keep iterating, which keeps a contraction converged), and the
+convergence test is one reduction over the batch; the failure check reduces the
+batch to one verdict and computes its message on the host only when something failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Literal
@@ -23,7 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from implicitdiff import implicit_diff, linear_solve
+from implicitdiff import ImplicitDiffRuntimeError, Primitive, Zero, implicit_diff, linear_solve
+from implicitdiff._errors import any_over_batch, reduce_any
+from implicitdiff._jax_compat import closure_convert, instantiate_zeros, vmap_size
 
 from ._checks import float_dtype, returns_like, static_bool, static_float, static_int
 from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo, max_norm, report
@@ -33,6 +44,11 @@ __all__ = ["fixed_point"]
 Method = Literal["iterate", "damped", "anderson"]
 _METHODS = ("iterate", "damped", "anderson")
 _ADJOINTS = ("neumann", "gmres", "dense", "auto")
+_MIN_DERIVATIVE_STEPS = 100  # the derivative solves may take at least this many steps
+# The default `check_every` when a step updates at least `_LARGE` numbers: the tests then
+# cost passes over memory, and an inner loop of steps between them pays for itself.
+_LARGE = 2**14
+_CHECK_EVERY_LARGE = 4
 
 
 def fixed_point(
@@ -47,7 +63,7 @@ def fixed_point(
     damping: float = 0.5,
     history: int = 5,
     regularisation: float = 1e-5,
-    check_every: int = 1,
+    check_every: int | None = None,
     adjoint: str | Callable[..., Any] = "neumann",
     throw: bool = True,
     return_info: bool = False,
@@ -75,14 +91,20 @@ def fixed_point(
         history: Anderson's memory (a Python int >= 1).
         regularisation: Anderson's least-squares regularisation, relative to the
             scale of the residuals.
-        check_every: test convergence every this many iterations (a Python int).
-            Extra iterations past convergence keep a contraction converged, so a
-            value like 4 gives the same answer while letting XLA fuse the unrolled
-            steps: much faster for cheap maps under `vmap`.
+        check_every: for `"iterate"` and `"damped"`: test convergence every this many
+            steps (a Python int; at most `max_steps` steps are taken). Each test is a
+            pass over the iterate; steps past convergence keep a contraction
+            converged, so testing less often changes the answer only within the
+            tolerance, and makes cheap maps on many numbers faster. The default,
+            `None`, tests every step, or every `4` steps when a step updates at least
+            16384 numbers (a large state, or a batch of solves under `vmap`). The
+            derivative solves of `adjoint="neumann"` test after their first step,
+            then as often.
         adjoint: the linear solver for the derivative systems with `I - A`:
-            `"neumann"` (the series `sum A^k`, needs `f` to contract), `"gmres"`,
-            `"dense"`, `"auto"`, or any `solve(matvec, b)` from
-            `implicitdiff.linear_solve` (e.g. a `functools.partial` with options).
+            `"neumann"` (the series `sum A^k`, i.e. the same iteration on the linear
+            map; needs `f` to contract), `"gmres"`, `"dense"`, `"auto"`, or any
+            `solve(matvec, b)` from `implicitdiff.linear_solve` (e.g. a
+            `functools.partial` with options).
         throw: raise at run time when the solve fails (max steps, non-finite
             values); with `throw=False` the status is in the returned info.
         return_info: also return a `SolveInfo` (steps, residual, status).
@@ -110,64 +132,217 @@ def fixed_point(
     name = "fixed_point"
     max_steps = static_int(name, "max_steps", max_steps, minimum=1)
     history = static_int(name, "history", history, minimum=1)
-    check_every = static_int(name, "check_every", check_every, minimum=1)
+    if check_every is not None:
+        check_every = static_int(name, "check_every", check_every, minimum=1)
     damping = static_float(name, "damping", damping)
     regularisation = static_float(name, "regularisation", regularisation)
     if not 0.0 < damping <= 1.0:
         raise ValueError(f"fixed_point: `damping` must be in (0, 1], got {damping}")
     static_bool(name, "throw", throw)
     static_bool(name, "return_info", return_info)
-
-    dtype = float_dtype(name, "x_guess", x_guess)
-    returns_like(name, "f(a, x_guess)", jax.eval_shape(f, a, x_guess), "x_guess", x_guess)
-    default_tol = 1e-10 if dtype == np.float64 else 1e-6
-    rtol = default_tol if rtol is None else rtol
-    atol = default_tol if atol is None else atol
-    solve = _adjoint_solver(adjoint, dtype, max_steps)
-
-    step = {
-        "iterate": _iterate_step,
-        "damped": functools.partial(_damped_step, damping=damping),
-    }.get(method)
-
-    def solver(x0, a):
-        if method == "anderson":
-            return _anderson(f, a, x0, rtol, atol, max_steps, damping, history, regularisation)
-        # A damped step is `damping` times the undamped one: measure the undamped size.
-        scale = damping if method == "damped" else 1.0
-        return _iterate(f, a, x0, step, rtol, atol, max_steps, check_every, scale)
-
-    def residual(x, a):
-        return jax.tree_util.tree_map(jnp.subtract, x, f(a, x))
-
-    x, info = implicit_diff(residual, solve=solve, has_aux=True)(solver)(x_guess, a)
-    x = report(x, info, throw=throw, name="fixed_point", max_steps=max_steps)
-    return (x, info) if return_info else x
-
-
-# ---------------------------------------------------------------------------
-# Arguments.
-
-
-def _adjoint_solver(adjoint, dtype, max_steps):
-    if callable(adjoint):
-        return adjoint
-    if adjoint not in _ADJOINTS:
+    if not callable(adjoint) and adjoint not in _ADJOINTS:
         raise ValueError(
             f"fixed_point: `adjoint` must be one of {_ADJOINTS} or a linear solver "
             f"`solve(matvec, b)`, got {adjoint!r}"
         )
+
+    dtype = float_dtype(name, "x_guess", x_guess)
+    # Trace `f` once: for the check below, and to hoist the traced values it closes over
+    # so that they are differentiated through the primitive's rules.
+    f_conv, consts, _ = closure_convert(f, a, x_guess)
+    returns_like(
+        name, "f(a, x_guess)", jax.eval_shape(f_conv, consts, a, x_guess), "x_guess", x_guess
+    )
+    default_tol = 1e-10 if dtype == np.float64 else 1e-6
+    # The tolerances are values (they may be traced), the rest static options.
+    tol = tuple(
+        jnp.asarray(default_tol if t is None else t, dtype) for t in (rtol, atol)
+    )  # fmt: skip
+    cfg = _Config(
+        method=method,
+        # A damped step is `damping` times the undamped one: measure the undamped size.
+        scale=damping if method == "damped" else 1.0,
+        max_steps=max_steps,
+        check_every=check_every,
+        damping=damping,
+        history=history,
+        regularisation=regularisation,
+        throw=throw,
+        with_info=return_info,
+    )
+
     if adjoint == "neumann":
-        # The series converges at the forward iteration's rate; allow as many terms.
-        return functools.partial(linear_solve.neumann, maxiter=max(max_steps, 100))
-    return getattr(linear_solve, adjoint)
+        x, info = _FixedPoint.apply(consts, a, x_guess, tol, f=f_conv, cfg=cfg)
+    else:
+
+        def solver(x0, a):
+            return _solve(f, a, x0, tol, cfg)
+
+        def residual(x, a):
+            return jax.tree_util.tree_map(jnp.subtract, x, f(a, x))
+
+        solve = adjoint if callable(adjoint) else getattr(linear_solve, adjoint)
+        x, info = implicit_diff(residual, solve=solve, has_aux=True)(solver)(x_guess, a)
+    return (x, info) if return_info else x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The static options of one solve (hashable: a primitive parameter)."""
+
+    method: str
+    scale: float
+    max_steps: int
+    check_every: int | None  # None: chosen from the number of values per step
+    damping: float
+    history: int
+    regularisation: float
+    throw: bool
+    with_info: bool  # compute the `SolveInfo` (else `None`)
+    derivative: bool = False  # a linear solve for a derivative, not the user's problem
+
+    def for_derivative(self) -> _Config:
+        return dataclasses.replace(
+            self,
+            method="iterate",
+            scale=1.0,
+            max_steps=max(self.max_steps, _MIN_DERIVATIVE_STEPS),
+            with_info=False,
+            derivative=True,
+        )
 
 
 # ---------------------------------------------------------------------------
-# The forward iterations.
+# The primitive (adjoint="neumann"): the solve, and derivative rules that solve the
+# linear systems by the same iteration, as fixed points of linear maps.
 
 
-def _iterate_step(f, a, x):
+class _FixedPoint(Primitive):
+    """`(x*, info)` for `x* = f(consts, a, x*)`, iterated from `x0` (`info` is `None`
+    unless `cfg.with_info`).
+
+    Inputs `(consts, a, x0, tol)`: `consts` are the traced values `f` closes over,
+    `tol` is `(rtol, atol)`; only `consts` and `a` are differentiated. Params:
+    `f(consts, a, x)` and `cfg` (a `_Config`).
+    """
+
+    def __init__(self, consts_aval, a_aval, x_aval, tol_aval, *, f, cfg):
+        self.in_avals = (consts_aval, a_aval, x_aval, tol_aval)
+        info = None
+        if cfg.with_info:
+            leaves = jax.tree_util.tree_leaves(x_aval)
+            info = SolveInfo(
+                steps=jax.ShapeDtypeStruct((), jnp.int32),
+                residual=jax.ShapeDtypeStruct((), jnp.result_type(*leaves)),
+                status=jax.ShapeDtypeStruct((), jnp.int32),
+            )
+        self.out_aval = (x_aval, info)
+        self.params = dict(f=f, cfg=cfg)
+        super().__init__()
+
+    def expand(self, consts, a, x0, tol):
+        return _solve(functools.partial(self.f, consts), a, x0, tol, self.cfg)
+
+    def vjp_fwd(self, nzs_in, consts, a, x0, tol):
+        out = self(consts, a, x0, tol)
+        return out, (consts, a, out[0], tol)
+
+    def vjp_bwd_retval(self, res, g):
+        consts, a, x, tol = res
+        g_x = g[0]
+        if all(isinstance(t, Zero) for t in _leaves(g_x)):
+            return None, None, None, None
+        g_x = jax.tree_util.tree_map(instantiate_zeros, g_x, is_leaf=_is_zero)
+        # w = g + A^T w, then (consts, a)_bar = B^T w.
+        w = _linear_solve(_adjoint_step, self.f, (consts, a, x, g_x), g_x, tol, self.cfg)
+        _, pullback = jax.vjp(lambda c, a: self.f(c, a, x), consts, a)
+        ct_consts, ct_a = pullback(w)
+        return ct_consts, ct_a, None, None
+
+    def jvp(self, primals, tangents):
+        consts, a, x0, tol = primals
+        d_consts, d_a, _, _ = tangents
+        out = self(consts, a, x0, tol)
+        x = out[0]
+        # t = B (d_consts, d_a) + A t.
+        _, rhs = jax.jvp(lambda c, a: self.f(c, a, x), (consts, a), (d_consts, d_a))
+        dx = _linear_solve(_tangent_step, self.f, (consts, a, x, rhs), rhs, tol, self.cfg)
+        return out, (dx, jax.tree_util.tree_map(jnp.zeros_like, out[1]))
+
+
+def _adjoint_step(f, params, u):
+    """`u -> g + A^T u`, with `A = d_x f` at the solution."""
+    consts, a, x, g = params
+    _, pullback = jax.vjp(lambda x: f(consts, a, x), x)
+    return jax.tree_util.tree_map(jnp.add, g, pullback(u)[0])
+
+
+def _tangent_step(f, params, t):
+    """`t -> rhs + A t`, with `A = d_x f` at the solution."""
+    consts, a, x, rhs = params
+    _, a_t = jax.jvp(lambda x: f(consts, a, x), (x,), (t,))
+    return jax.tree_util.tree_map(jnp.add, rhs, a_t)
+
+
+def _linear_solve(step, f, params, guess, tol, cfg):
+    """The fixed point of the linear map `step(f, params, .)`, as a `_FixedPoint` (so
+    that it is differentiated, to any order, by the same rules)."""
+    step = functools.partial(_bind_step, step, f)
+    x, _ = _FixedPoint.apply((), params, guess, tol, f=step, cfg=cfg.for_derivative())
+    return x
+
+
+def _bind_step(step, f, consts, params, u):
+    del consts  # the linear maps close over nothing traced: all of it is in `params`
+    return step(f, params, u)
+
+
+def _is_zero(x):
+    return isinstance(x, Zero)
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves(tree, is_leaf=_is_zero)
+
+
+# ---------------------------------------------------------------------------
+# The forward solve.
+
+
+def _solve(f, a, x0, tol, cfg):
+    """Iterate to the fixed point of `f(a, .)` from `x0`: `(x, SolveInfo)`, checked.
+    `tol` is `(rtol, atol)` for an undamped step."""
+    tol = (tol[0] * cfg.scale, tol[1] * cfg.scale)  # for the step actually taken
+    if cfg.method == "anderson":
+        x_prev, x, steps = _anderson(
+            f, a, x0, tol, cfg.max_steps, cfg.damping, cfg.history, cfg.regularisation
+        )
+    else:
+        step = _damped_step if cfg.method == "damped" else _iterate_step
+        step = functools.partial(step, f, a, damping=cfg.damping)
+        every = cfg.check_every
+        if every is None:  # from the numbers a step updates, the whole batch under vmap
+            leaves = jax.tree_util.tree_leaves(x0)
+            batch = max(vmap_size(v) for v in leaves + jax.tree_util.tree_leaves(a))
+            size = batch * sum(int(np.size(v)) for v in leaves)
+            every = _CHECK_EVERY_LARGE if size >= _LARGE else 1
+        # The derivative solves run on through NaNs, to max_steps: then they fail if and
+        # only if they run out of steps, a verdict that needs no pass over the iterate.
+        first = 1 if cfg.derivative else every
+        x_prev, x, steps = _iterate(
+            step, x0, tol, cfg.max_steps, every, first, nan_stops=not cfg.derivative
+        )
+    if cfg.throw:
+        if cfg.derivative:
+            failed = steps >= cfg.max_steps
+        else:
+            failed = any_over_batch(reduce_any(_failed(x, x_prev, tol)))
+        x = _check(x, x_prev, steps, tol, failed, cfg)
+    return x, (_info(x, x_prev, steps, tol, cfg.scale) if cfg.with_info else None)
+
+
+def _iterate_step(f, a, x, *, damping):
+    del damping
     return f(a, x)
 
 
@@ -176,47 +351,41 @@ def _damped_step(f, a, x, *, damping):
     return jax.tree_util.tree_map(lambda u, v: (1 - damping) * u + damping * v, x, fx)
 
 
-def _scaled_step(x_new, x_old, rtol, atol):
-    """max over leaves of |x_new - x_old| / (atol + rtol |x_new|), and max |x_new - x_old|."""
-    ratios, sizes = [], []
-    for u, v in zip(jax.tree_util.tree_leaves(x_new), jax.tree_util.tree_leaves(x_old)):
-        d = jnp.abs(u - v)
-        ratios.append(d / (atol + rtol * jnp.abs(u)))
-        sizes.append(d)
-    return max_norm(ratios), max_norm(sizes)
+def _iterate(step, x0, tol, max_steps, check_every, first_check, *, nan_stops):
+    """Step from `x0` until a step moves no element by more than the tolerance;
+    returns the last two iterates and the number of steps.
 
+    The first test comes after `first_check` steps, the next ones every `check_every`
+    steps, never beyond `max_steps`. An element that is NaN stops the loop when
+    `nan_stops`, else it keeps it going. Under `vmap` the loop is one loop over the
+    batch: it runs until every element has converged (`any_over_batch`), not once per
+    element with masking.
+    """
+    unsettled = _moving if nan_stops else _not_settled
 
-def _all_finite(tree):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree_util.tree_leaves(tree)]))
-
-
-def _iterate(f, a, x0, step, rtol, atol, max_steps, check_every, scale):
     def cond(carry):
-        _, ratio, _, steps, finite = carry
-        return (ratio > 1) & (steps < max_steps) & finite
+        x_prev, x, steps = carry
+        return (steps < max_steps) & any_over_batch(unsettled(x, x_prev, tol))
 
-    def body(carry):
-        x, _, _, steps, _ = carry
-        x_prev = x
-        for _ in range(check_every):
-            x_prev, x = x, step(f, a, x)
-        ratio, size = _scaled_step(x, x_prev, rtol, atol)
-        return x, ratio / scale, size / scale, steps + check_every, _all_finite(x)
+    def advance(x, steps, every):
+        if every == 1:
+            return x, step(x), steps + 1
+        n = jnp.minimum(every, max_steps - steps)
+        # An inner loop rather than unrolled steps: XLA's CPU backend would cut an
+        # unrolled chain of steps into several passes over memory per step.
+        x = jax.lax.fori_loop(0, n - 1, lambda _, x: step(x), x)
+        return x, step(x), steps + n
 
-    dt = jnp.result_type(*jax.tree_util.tree_leaves(x0))
-    inf = jnp.asarray(jnp.inf, dt)
-    init = (x0, inf, inf, jnp.asarray(0, jnp.int32), jnp.asarray(True))
-    x, ratio, size, steps, finite = jax.lax.while_loop(cond, body, init)
-    return x, _info(steps, size, ratio, finite)
+    init = advance(x0, jnp.asarray(0, jnp.int32), first_check)
+    return jax.lax.while_loop(cond, lambda c: advance(c[1], c[2], check_every), init)
 
 
-def _info(steps, size, ratio, finite):
-    status = jnp.where(~finite, NONFINITE, jnp.where(ratio <= 1, SUCCESS, MAX_STEPS))
-    return SolveInfo(steps=steps, residual=size, status=status.astype(jnp.int32))
+def _anderson(f, a, x0, tol, max_steps, beta, m, lam):
+    """Anderson acceleration (type II) on the flattened iterate, memory `m`.
 
-
-def _anderson(f, a, x0, rtol, atol, max_steps, beta, m, lam):
-    """Anderson acceleration (type II) on the flattened iterate, memory `m`."""
+    Returns the last iterate, its image (the point returned, whose step was measured)
+    and the number of evaluations of `f`.
+    """
     flat0, unravel = ravel_pytree(x0)
     n = flat0.shape[0]
     dt = flat0.dtype
@@ -231,11 +400,11 @@ def _anderson(f, a, x0, rtol, atol, max_steps, beta, m, lam):
     eye = jnp.eye(m, dtype=dt)
 
     def cond(carry):
-        *_, ratio, _, steps, finite = carry
-        return (ratio > 1) & (steps < max_steps) & finite
+        x, g_x, _, _, steps = carry
+        return (steps < max_steps) & _moving(g_x, x, tol) & jnp.all(jnp.isfinite(g_x))
 
     def body(carry):
-        _, xs, gs, _, _, steps, _ = carry
+        _, _, xs, gs, steps = carry
         # Weights alpha (summing to one) minimising |sum_i alpha_i (g_i - x_i)| over the
         # filled slots; empty slots get weight zero through an identity block.
         filled = jnp.arange(m) < jnp.minimum(steps + 1, m)
@@ -244,27 +413,158 @@ def _anderson(f, a, x0, rtol, atol, max_steps, beta, m, lam):
         h = jnp.where(both, resid @ resid.T, 0.0)
         scale = jnp.trace(h) / jnp.sum(filled) + jnp.finfo(dt).tiny
         h = h + lam * scale * eye + jnp.where(both, 0.0, eye)
-        alpha = jnp.linalg.solve(h, filled.astype(dt))
+        alpha = _solve_spd(h, filled.astype(dt))
         alpha = alpha / jnp.sum(alpha)
         x_new = beta * (alpha @ gs) + (1 - beta) * (alpha @ xs)
         g_new = g(x_new)
         slot = (steps + 1) % m
-        xs = xs.at[slot].set(x_new)
-        gs = gs.at[slot].set(g_new)
-        d = jnp.abs(g_new - x_new)
-        ratio = jnp.max(d / (atol + rtol * jnp.abs(g_new)))
-        return g_new, xs, gs, ratio, jnp.max(d), steps + 1, jnp.all(jnp.isfinite(g_new))
+        return x_new, g_new, xs.at[slot].set(x_new), gs.at[slot].set(g_new), steps + 1
 
-    d0 = jnp.abs(g0 - flat0)
-    init = (
-        g0,
-        xs,
-        gs,
-        jnp.max(d0 / (atol + rtol * jnp.abs(g0))),
-        jnp.max(d0),
-        jnp.asarray(0, jnp.int32),
-        jnp.all(jnp.isfinite(g0)),
+    init = (flat0, g0, xs, gs, jnp.asarray(0, jnp.int32))
+    x, g_x, _, _, steps = jax.lax.while_loop(cond, body, init)
+    return unravel(x), unravel(g_x), steps + 1
+
+
+_UNROLLED_SOLVE_MAX = 8  # the largest Anderson memory solved by the unrolled Cholesky
+
+
+def _solve_spd(h, b):
+    """Solve `h x = b` for a small symmetric positive definite `h` (Anderson's regularised
+    normal equations). Up to `_UNROLLED_SOLVE_MAX` unknowns: an unrolled Cholesky
+    factorisation, elementwise operations that vectorise under `vmap`, where a batched
+    `jnp.linalg.solve` is a loop of LAPACK calls on XLA's CPU backend."""
+    m = h.shape[0]
+    if m > _UNROLLED_SOLVE_MAX:
+        return jnp.linalg.solve(h, b)
+    low = [[None] * m for _ in range(m)]  # the Cholesky factor, entry by entry
+    for j in range(m):
+        low[j][j] = jnp.sqrt(h[j, j] - sum(low[j][k] ** 2 for k in range(j)))
+        for i in range(j + 1, m):
+            dot = sum(low[i][k] * low[j][k] for k in range(j))
+            low[i][j] = (h[i, j] - dot) / low[j][j]
+    y = []
+    for i in range(m):
+        y.append((b[i] - sum(low[i][k] * y[k] for k in range(i))) / low[i][i])
+    x = [None] * m
+    for i in reversed(range(m)):
+        x[i] = (y[i] - sum(low[k][i] * x[k] for k in range(i + 1, m))) / low[i][i]
+    return jnp.stack(x)
+
+
+# ---------------------------------------------------------------------------
+# Convergence, diagnostics and the failure check.
+
+
+def _pairs(x, x_prev):
+    return zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(x_prev))
+
+
+def _moving(x, x_prev, tol):
+    """Whether any element moved by more than `atol + rtol |x|` (False where NaN)."""
+    rtol, atol = tol
+    flags = [reduce_any(jnp.abs(u - v) > atol + rtol * jnp.abs(u)) for u, v in _pairs(x, x_prev)]
+    return functools.reduce(jnp.logical_or, flags)
+
+
+def _not_settled(x, x_prev, tol):
+    """Like `_moving`, but True where not finite."""
+    rtol, atol = tol
+    flags = [
+        reduce_any(~(jnp.abs(u - v) <= atol + rtol * jnp.abs(u)) | ~jnp.isfinite(u))
+        for u, v in _pairs(x, x_prev)
+    ]
+    return functools.reduce(jnp.logical_or, flags)
+
+
+def _all_finite(x):
+    leaves = jax.tree_util.tree_leaves(x)
+    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(v)) for v in leaves])
+
+
+def _info(x, x_prev, steps, tol, scale):
+    """The `SolveInfo` of a solve that stopped at `x`, the image of `x_prev`."""
+    status = jnp.where(
+        _all_finite(x), jnp.where(_moving(x, x_prev, tol), MAX_STEPS, SUCCESS), NONFINITE
     )
-    # The returned point is f(x) at the last iterate x: the point whose step was measured.
-    x_out, _, _, ratio, size, steps, finite = jax.lax.while_loop(cond, body, init)
-    return unravel(x_out), _info(steps + 1, size, ratio, finite)
+    sizes = [jnp.abs(u - v) for u, v in _pairs(x, x_prev)]
+    return SolveInfo(
+        steps=jnp.asarray(steps, jnp.int32),
+        residual=max_norm(sizes) / scale,
+        status=status.astype(jnp.int32),
+    )
+
+
+def _failed(x, x_prev, tol):
+    return _moving(x, x_prev, tol) | ~_all_finite(x)
+
+
+def _check(x, x_prev, steps, tol, failed, cfg):
+    """`x`, raising at run time if `failed` (a verdict reduced over any batch; the host
+    checks again, so a verdict that may be a false alarm will do). Only the verdict is
+    computed on device; the message is built on the host from the iterates."""
+    x_leaves, treedef = jax.tree_util.tree_flatten(x)
+    ndims = tuple(jnp.ndim(leaf) for leaf in x_leaves)
+
+    def on_failure(x, x_prev, steps, tol):
+        leaves = jax.tree_util.tree_leaves(x)
+        shapes = tuple(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves)
+        host = functools.partial(_raise_on_host, cfg, ndims)
+        prev = jax.tree_util.tree_leaves(x_prev)
+        out = jax.pure_callback(host, shapes, leaves, prev, steps, tol, vmap_method="broadcast_all")
+        return jax.tree_util.tree_unflatten(treedef, list(out))
+
+    # Inside the solve (never differentiated), a plain `lax.cond` will do: the verdict
+    # is not batched, so under `vmap` the branch stays a branch.
+    return jax.lax.cond(failed, on_failure, lambda x, *_: x, x, x_prev, steps, tol)
+
+
+def _raise_on_host(cfg, ndims, x, x_prev, steps, tol):
+    """Raise `ImplicitDiffRuntimeError` describing the first failing element (under
+    `vmap` the arrays carry the batch axes in front of each element's own `ndims`)."""
+    x = [np.asarray(u) for u in x]
+    x_prev = [np.asarray(v) for v in x_prev]
+    batch_shape = x[0].shape[: x[0].ndim - ndims[0]]
+
+    def per_element(values):
+        return [v.reshape(batch_shape + (-1,)) for v in values]
+
+    # Scalars, or under vmap one per element (broadcast to the batch shape).
+    rtol, atol = (np.reshape(t, np.shape(t) + (1,)) for t in tol)
+    moving = np.zeros(batch_shape, bool)
+    finite = np.ones(batch_shape, bool)
+    size = np.zeros(batch_shape)
+    for u, v in zip(per_element(x), per_element(x_prev)):
+        d = np.abs(u - v)
+        moving |= np.any(d > atol + rtol * np.abs(u), axis=-1)
+        finite &= np.all(np.isfinite(u), axis=-1)
+        size = np.maximum(size, np.max(d, axis=-1, initial=0.0))
+    status = np.where(finite, np.where(moving, MAX_STEPS, SUCCESS), NONFINITE)
+    bad = status != SUCCESS
+    if not bad.any():  # a false alarm (see `_check`)
+        return tuple(x)
+    index = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.ndim else ()
+    info = SolveInfo(
+        steps=np.broadcast_to(np.asarray(steps), batch_shape)[index],
+        residual=(size / cfg.scale)[index],
+        status=status[index],
+    )
+    where = (
+        f"\n(first failing element of a vmap batch of shape {batch_shape}: {index})"
+        if batch_shape
+        else ""
+    )
+    if cfg.derivative:
+        raise ImplicitDiffRuntimeError(
+            "fixed_point: the linear solve for the derivative (adjoint='neumann': the "
+            "fixed-point iteration run on the linearised map) did not converge: status "
+            f"{info.status} (1: max_steps={cfg.max_steps} reached, 2: non-finite values) "
+            f"after {info.steps} steps, last step {info.residual:.3e}. It converges only "
+            "when `f` contracts at the solution (every eigenvalue of df/dx below 1 in "
+            "modulus). To fix it: pass adjoint='gmres' or adjoint='dense', or raise "
+            "`max_steps`." + where
+        )
+    try:
+        report(x[0], info, throw=True, name="fixed_point", max_steps=cfg.max_steps)
+    except ImplicitDiffRuntimeError as e:
+        raise ImplicitDiffRuntimeError(f"{e}{where}") from None
+    raise ImplicitDiffRuntimeError(f"fixed_point did not converge (status {info.status}){where}")

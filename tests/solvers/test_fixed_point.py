@@ -154,9 +154,56 @@ def test_info_and_check_every(x64):
     assert int(info4.steps) % 4 == 0
 
 
+def test_check_every_default_follows_the_batch_size(x64):
+    """None (the default) tests every step for a small solve, every 4 steps for a large
+    batch under vmap (x_guess batched or not); the answers agree to the tolerance."""
+    _, info = newton_sqrt(jnp.float64(2.0), return_info=True)
+    assert int(info.steps) % 4 != 0  # Newton from 2 takes 5 steps
+    a = jnp.linspace(1.0, 100.0, 2**14)
+
+    def solve(a, x0):
+        return fixed_point(lambda a, x: 0.5 * (x + a / x), a, x0, return_info=True)
+
+    for x_guess in (a, jnp.float64(1.0)):
+        in_axes = (0, 0 if jnp.ndim(x_guess) else None)
+        root, info = jax.jit(jax.vmap(solve, in_axes=in_axes))(a, x_guess)
+        assert np.all(np.asarray(info.steps) % 4 == 0)
+        np.testing.assert_allclose(root, np.sqrt(a), rtol=1e-12)
+    g = jax.jit(jax.vmap(jax.grad(newton_sqrt)))(a)
+    np.testing.assert_allclose(g, D1(a), rtol=1e-10)
+
+
+def test_traced_and_batched_tolerances(x64):
+    solve = lambda a, tol: newton_sqrt(a, rtol=tol, atol=tol, return_info=True)
+    x, info = jax.jit(solve)(2.0, 1e-12)
+    np.testing.assert_allclose(x, np.sqrt(2.0), rtol=1e-12)
+    x, info = jax.vmap(solve)(jnp.array([4.0, 9.0]), jnp.array([1e-12, 1e-2]))
+    np.testing.assert_allclose(x, [2.0, 3.0], rtol=1e-2)
+    assert np.all(np.asarray(info.status) == SUCCESS)
+
+
 def test_non_convergence_raises_with_the_residual():
     with pytest.raises(Exception, match=r"fixed_point did not converge.*last residual"):
         jax.block_until_ready(newton_sqrt(1e6, max_steps=3))
+    # Also when only the gradient is used, and for an element of a vmap batch.
+    with pytest.raises(Exception, match=r"fixed_point did not converge"):
+        jax.block_until_ready(jax.grad(lambda a: newton_sqrt(a, max_steps=3))(1e6))
+    with pytest.raises(
+        Exception, match=r"did not converge(.|\n)*vmap batch of shape \(3,\): \(1,\)"
+    ):
+        jax.block_until_ready(
+            jax.vmap(lambda a: newton_sqrt(a, max_steps=5))(jnp.array([1.0, 1e6, 4.0]))
+        )
+
+
+def test_derivative_solve_that_diverges_raises():
+    """Damping makes x = -2 x + a converge, but the Neumann adjoint cannot (df/dx = -2)."""
+    f = lambda a, x: -2.0 * x + a
+    solve = lambda a, **kw: fixed_point(f, a, 0.0, method="damped", **kw)
+    np.testing.assert_allclose(solve(3.0), 1.0, rtol=1e-5)
+    with pytest.raises(Exception, match="linear solve for the derivative"):
+        jax.block_until_ready(jax.grad(solve)(3.0))
+    np.testing.assert_allclose(jax.grad(lambda a: solve(a, adjoint="dense"))(3.0), 1 / 3)
 
 
 def test_non_convergence_status_per_vmap_element():
