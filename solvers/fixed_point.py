@@ -37,7 +37,15 @@ from implicitdiff._errors import any_over_batch, reduce_any
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros, vmap_size
 
 from ._checks import float_dtype, returns_like, static_bool, static_float, static_int
-from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo, max_norm, report
+from ._info import (
+    MAX_STEPS,
+    NONFINITE,
+    SUCCESS,
+    SolveInfo,
+    default_tolerance,
+    max_norm,
+    report,
+)
 
 __all__ = ["fixed_point"]
 
@@ -153,7 +161,7 @@ def fixed_point(
     returns_like(
         name, "f(a, x_guess)", jax.eval_shape(f_conv, consts, a, x_guess), "x_guess", x_guess
     )
-    default_tol = 1e-10 if dtype == np.float64 else 1e-6
+    default_tol = default_tolerance(dtype)
     # The tolerances are values (they may be traced), the rest static options.
     tol = tuple(
         jnp.asarray(default_tol if t is None else t, dtype) for t in (rtol, atol)
