@@ -334,17 +334,17 @@ def _solve(f, a, x0, tol, cfg):
             batch = max(vmap_size(v) for v in leaves + jax.tree_util.tree_leaves(a))
             size = batch * sum(int(np.size(v)) for v in leaves)
             every = _CHECK_EVERY_LARGE if size >= _LARGE else 1
-        # The derivative solves run on through NaNs, to max_steps: then they fail if and
-        # only if they run out of steps, a verdict that needs no pass over the iterate.
         first = 1 if cfg.derivative else every
+        # With `throw`, a NaN does not stop the loop: it runs on to max_steps and fails,
+        # so that running out of steps is the whole verdict (no pass over the iterate).
         x_prev, x, steps = _iterate(
-            step, x0, tol, cfg.max_steps, every, first, nan_stops=not cfg.derivative
+            step, x0, tol, cfg.max_steps, every, first, nan_stops=not cfg.throw
         )
     if cfg.throw:
-        if cfg.derivative:
-            failed = steps >= cfg.max_steps
-        else:
+        if cfg.method == "anderson":
             failed = any_over_batch(reduce_any(_failed(x, x_prev, tol)))
+        else:
+            failed = steps >= cfg.max_steps
         x = _check(x, x_prev, steps, tol, failed, cfg)
     return x, (_info(x, x_prev, steps, tol, cfg.scale) if cfg.with_info else None)
 
