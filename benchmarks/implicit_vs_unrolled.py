@@ -60,9 +60,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import math
-import os
 import platform
 import statistics
 import sys
@@ -78,6 +76,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from ._env import cpus, loadavg, peer_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -561,8 +561,8 @@ def render(
         goals += ["", "Errors:", ""] + [f"- {e}" for e in v.errors]
     env = (
         f"jax {jax.__version__}, backend {jax.default_backend()} "
-        f"({jax.devices()[0].device_kind}), {_cpus()}, "
-        f"Python {platform.python_version()}; {_peer_versions()}; mode --{mode}, run took "
+        f"({jax.devices()[0].device_kind}), {cpus()}, "
+        f"Python {platform.python_version()}; {peer_versions()}; mode --{mode}, run took "
         f"{wall:.0f} s; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end."
     )
     method = (
@@ -602,32 +602,6 @@ def render(
             "",
         ]
     )
-
-
-def _cpus() -> str:
-    total = os.cpu_count()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return f"{total} CPUs"
-    return f"{total} CPUs" if usable == total else f"{usable} of {total} CPUs (affinity)"
-
-
-def _loadavg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-def _peer_versions() -> str:
-    out = []
-    for pkg in ("jaxopt", "optimistix", "lineax"):
-        try:
-            out.append(f"{pkg} {importlib.metadata.version(pkg)}")
-        except importlib.metadata.PackageNotFoundError:
-            out.append(f"{pkg} not installed")
-    return ", ".join(out)
 
 
 def plot(cells: list[Cell], methods: list[Method], path: Path) -> bool:
@@ -765,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     s = dict(SETTINGS[opts.mode])
     sizes = opts.sizes or s["sizes"]
     iters = opts.iters or s["iters"]
-    start, load0 = time.perf_counter(), _loadavg()
+    start, load0 = time.perf_counter(), loadavg()
 
     log(
         f"implicit vs unrolled benchmark (--{opts.mode}): jax {jax.__version__} on "
@@ -786,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"      times (ms): {summary}")
         log(f"      done in {time.perf_counter() - t0:.1f} s")
 
-    report = render(cells, METHODS, opts.mode, time.perf_counter() - start, (load0, _loadavg()))
+    report = render(cells, METHODS, opts.mode, time.perf_counter() - start, (load0, loadavg()))
     print()
     print(report)
     RESULTS.mkdir(exist_ok=True)

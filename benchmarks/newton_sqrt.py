@@ -63,9 +63,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -80,6 +78,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ._env import cpus, loadavg, peer_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -697,8 +697,8 @@ def render(results: list[DtypeResult], mode: str, wall: float, load: tuple[float
     import jax
 
     env = (
-        f"jax {jax.__version__}, backend {jax.default_backend()}, {_cpus()}, "
-        f"Python {platform.python_version()}; {_peer_versions()}; mode --{mode}; run took "
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {cpus()}, "
+        f"Python {platform.python_version()}; {peer_versions()}; mode --{mode}; run took "
         f"{wall:.0f} s; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end."
     )
     method = (
@@ -717,34 +717,6 @@ def render(results: list[DtypeResult], mode: str, wall: float, load: tuple[float
         parts += [render_dtype(res)]
     parts += [method, ""]
     return "\n".join(parts)
-
-
-def _cpus() -> str:
-    total = os.cpu_count()
-    try:
-        usable = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return f"{total} CPUs"
-    if len(usable) == total:
-        return f"{total} CPUs"
-    return f"{total} CPUs, pinned to {','.join(map(str, usable))}"
-
-
-def _loadavg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-def _peer_versions() -> str:
-    out = []
-    for pkg in ("jaxopt", "optimistix", "lineax"):
-        try:
-            out.append(f"{pkg} {importlib.metadata.version(pkg)}")
-        except importlib.metadata.PackageNotFoundError:
-            out.append(f"{pkg} not installed")
-    return ", ".join(out)
 
 
 def plot(results: list[DtypeResult], path: Path) -> bool:
@@ -834,8 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         parser.error(f"unknown dtype(s) {bad}; choose from {DTYPES}")
-    start, load0 = time.perf_counter(), _loadavg()
-    log(f"newton_sqrt benchmark (--{opts.mode}), dtypes {dtypes}, {_cpus()}")
+    start, load0 = time.perf_counter(), loadavg()
+    log(f"newton_sqrt benchmark (--{opts.mode}), dtypes {dtypes}, {cpus()}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in dtypes:
@@ -850,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"] = [Row(**r) for r in data["rows"]]
             results.append(DtypeResult(**data))
 
-    report = render(results, opts.mode, time.perf_counter() - start, (load0, _loadavg()))
+    report = render(results, opts.mode, time.perf_counter() - start, (load0, loadavg()))
     print()
     print(report)
     RESULTS.mkdir(exist_ok=True)
