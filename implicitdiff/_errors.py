@@ -100,6 +100,25 @@ def _any_over_batch_rule(axis_size, in_batched, pred):
     return any_over_batch(pred), False
 
 
+@jax.custom_batching.custom_vmap
+def max_over_batch(x: jax.Array) -> jax.Array:
+    """Identity on a scalar; under `vmap`, the largest value over the batch (unbatched).
+
+    A loop bound computed this way is the same for every batch element, so the loop
+    counter stays unbatched and indexing with it stays a plain slice, not a gather.
+    """
+    return x
+
+
+@max_over_batch.def_vmap
+def _max_over_batch_rule(axis_size, in_batched, x):
+    del axis_size
+    (batched,) = in_batched
+    if batched:
+        x = jnp.max(x, axis=0)
+    return max_over_batch(x), False
+
+
 def _format_message(msg: str, names: tuple[str, ...], pred: np.ndarray, values) -> str:
     """Build the error text on the host; `pred` and `values` share a (possibly empty) batch
     shape, and the values of the first failing batch element are substituted."""

@@ -9,21 +9,29 @@
 - `SolveInfo`: steps, residual and status of a solve (`return_info=True`), with
   the status codes `SUCCESS`, `MAX_STEPS`, `NONFINITE`, `BAD_BRACKET`.
 
-`odeint` and `solvers.nn` arrive with later issues.
+- `odeint`: integrate an ODE (adaptive explicit, stiff and fixed-step Runge-Kutta
+  methods), call-compatible with `jax.experimental.ode.odeint`, with forward
+  sensitivities and a continuous or checkpointed discrete adjoint; `ODEInfo`.
+
+`solvers.nn` arrives with a later issue.
 """
 
-from ._info import BAD_BRACKET, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
+from ._info import BAD_BRACKET, DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
 from .fixed_point import fixed_point
 from .minimize import minimize
+from .odeint import ODEInfo, odeint
 from .root import root
 
 __all__ = [
     "fixed_point",
     "root",
     "minimize",
+    "odeint",
+    "ODEInfo",
     "SolveInfo",
     "SUCCESS",
     "MAX_STEPS",
     "NONFINITE",
     "BAD_BRACKET",
+    "DT_UNDERFLOW",
 ]

@@ -16,18 +16,20 @@ __all__ = [
     "MAX_STEPS",
     "NONFINITE",
     "BAD_BRACKET",
+    "DT_UNDERFLOW",
     "STATUS_NAMES",
     "report",
     "default_tolerance",
 ]
 
 #: `SolveInfo.status` codes.
-SUCCESS, MAX_STEPS, NONFINITE, BAD_BRACKET = 0, 1, 2, 3
+SUCCESS, MAX_STEPS, NONFINITE, BAD_BRACKET, DT_UNDERFLOW = 0, 1, 2, 3, 4
 STATUS_NAMES = {
     SUCCESS: "converged",
     MAX_STEPS: "max_steps reached",
     NONFINITE: "non-finite values",
     BAD_BRACKET: "f has the same sign at both ends of the bracket",
+    DT_UNDERFLOW: "step size underflow",
 }
 
 
@@ -62,7 +64,9 @@ def report(x: Any, info: SolveInfo, *, throw: bool, name: str, max_steps: int) -
     """Return `x`; when `throw`, raise at run time if the solve did not converge."""
     if not throw:
         return x
-    codes = ", ".join(f"{code}: {STATUS_NAMES[code]}" for code in sorted(STATUS_NAMES) if code)
+    codes = ", ".join(
+        f"{code}: {STATUS_NAMES[code]}" for code in (MAX_STEPS, NONFINITE, BAD_BRACKET)
+    )
     msg = (
         f"{name} did not converge: status {{status}} ({codes}; max_steps={max_steps}) "
         "after {steps} steps, last residual {residual:.3e}. To fix it: raise `max_steps`, "

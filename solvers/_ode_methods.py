@@ -1,0 +1,220 @@
+"""The integration methods of `odeint`: one step of each, on a flat state vector.
+
+The Butcher tableaux come from diffrax, so the coefficients are never typed by hand.
+Every method exposes the same step function
+
+    step(f, y, k1, t, h, params) -> (y1, y_error, k1_next, ok)
+
+where `f(y, t, params)` is the flattened vector field, `k1 = f(y, t, params)` is
+carried between steps (first-same-as-last: every method here evaluates it at the new
+point anyway, so a step costs `stages - 1` new evaluations), `y_error` is the embedded
+error estimate (zeros for the fixed-step methods) and `ok` is False when an implicit
+stage solve did not converge (the step is then rejected).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import numpy as np
+
+from implicitdiff import custom_root
+
+__all__ = ["Method", "METHODS", "get_method"]
+
+_Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A Runge-Kutta method: the tableau as nested tuples (hashable), and its traits.
+
+    Attributes:
+        name: the `method=` string.
+        order: the exponent of the step-size controller (the order of the local error
+            estimate); for fixed-step methods, the order of the method.
+        c: the stage times, `c[0] = 0`.
+        a: the strictly lower triangle, `a[i]` has `i` entries.
+        b: the weights of the solution.
+        e: the weights of the error estimate, or `None` (no error control: fixed step).
+        gamma: the diagonal of an ESDIRK tableau (0 for the explicit first stage), or
+            `None` for an explicit method.
+        predictor: for ESDIRK, the weights of each stage's initial guess in the
+            earlier stages (diffrax's `a_predictor`).
+        stiff: whether it is meant for stiff problems (implicit stages).
+    """
+
+    name: str
+    order: int
+    c: tuple[float, ...]
+    a: tuple[tuple[float, ...], ...]
+    b: tuple[float, ...]
+    e: tuple[float, ...] | None
+    gamma: tuple[float, ...] | None = None
+    predictor: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def stages(self) -> int:
+        return len(self.b)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.e is not None
+
+    @property
+    def implicit(self) -> bool:
+        return self.gamma is not None
+
+    def step(self, f, y, k1, t, h, params, *, rtol=1e-6):
+        """One step from `(t, y)` of size `h`; `rtol` sets the accuracy of implicit
+        stage solves."""
+        if self.implicit:
+            return _esdirk_step(self, f, y, k1, t, h, params, rtol=rtol)
+        return _explicit_step(self, f, y, k1, t, h, params)
+
+
+def _from_diffrax(name: str, solver: Any, order: int) -> Method:
+    tab = solver.tableau
+    tup = lambda v: tuple(float(x) for x in np.asarray(v))  # noqa: E731
+    c = (float(tab.c1),) + tup(tab.c)
+    a = tuple(tup(row) for row in tab.a_lower)
+    gamma = predictor = None
+    if tab.implicit:
+        gamma = tup(tab.a_diagonal)
+        predictor = tuple(tup(row) for row in tab.a_predictor)
+    return Method(
+        name=name,
+        order=order,
+        c=c,
+        a=((),) + a,
+        b=tup(tab.b_sol),
+        e=tup(tab.b_error),
+        gamma=gamma,
+        predictor=predictor,
+    )
+
+
+METHODS: dict[str, Method] = {
+    "dopri5": _from_diffrax("dopri5", diffrax.Dopri5, 5),
+    "tsit5": _from_diffrax("tsit5", diffrax.Tsit5, 5),
+    "bosh3": _from_diffrax("bosh3", diffrax.Bosh3, 3),
+    "dopri8": _from_diffrax("dopri8", diffrax.Dopri8, 8),
+    "kvaerno5": _from_diffrax("kvaerno5", diffrax.Kvaerno5, 5),
+    # Fixed step (no error estimate): the classic fourth-order method (diffrax has no
+    # tableau for it) and Euler's.
+    "rk4": Method(
+        name="rk4",
+        order=4,
+        c=(0.0, 0.5, 0.5, 1.0),
+        a=((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)),
+        b=(1 / 6, 1 / 3, 1 / 3, 1 / 6),
+        e=None,
+    ),
+    "euler": Method(name="euler", order=1, c=(0.0,), a=((),), b=(1.0,), e=None),
+}
+
+ADAPTIVE = tuple(k for k, m in METHODS.items() if m.adaptive)
+FIXED = tuple(k for k, m in METHODS.items() if not m.adaptive)
+
+
+def get_method(name: str) -> Method:
+    return METHODS[name]
+
+
+def _combine(y, h, coeffs, ks):
+    """`y + h * sum(c_j k_j)`, skipping zero coefficients (a static choice)."""
+    acc = None
+    for cj, kj in zip(coeffs, ks):
+        if cj != 0.0:
+            term = cj * kj
+            acc = term if acc is None else acc + term
+    if acc is None:
+        return y
+    return y + h * acc
+
+
+def _explicit_step(m: Method, f, y, k1, t, h, params):
+    ks = [k1]
+    for i in range(1, m.stages):
+        yi = _combine(y, h, m.a[i], ks)
+        ks.append(f(yi, t + m.c[i] * h, params))
+    y1 = _combine(y, h, m.b, ks)
+    if m.adaptive:
+        err = h * sum(ej * kj for ej, kj in zip(m.e, ks) if ej != 0.0)
+        # First-same-as-last: the last stage is f at the new point.
+        k_next = ks[-1]
+    else:
+        err = jnp.zeros_like(y)
+        k_next = f(y1, t + h, params)
+    return y1, err, k_next, jnp.asarray(True)
+
+
+# ---------------------------------------------------------------------------
+# ESDIRK (Kvaerno5): each implicit stage solves z = base + h*gamma*f(z, t_i) by a
+# simplified Newton iteration with one LU factorisation of I - h*gamma*J per step.
+# The stage solves go through `implicitdiff.custom_root`, so differentiating a step
+# (the discrete adjoint) uses the implicit function theorem, not the iterations.
+
+_NEWTON_ITERS = 10
+_NEWTON_KAPPA = 0.01  # stop when a Newton update is this fraction of the tolerance
+
+
+def _esdirk_step(m: Method, f, y, k1, t, h, params, *, rtol):
+    n = y.shape[0]
+    dt = y.dtype
+    gamma = m.gamma[1]  # the same on every implicit stage
+    jac = jax.jacfwd(lambda v: f(v, t, params))(jax.lax.stop_gradient(y))
+    mat = jnp.eye(n, dtype=dt) - (h * gamma).astype(dt) * jax.lax.stop_gradient(jac)
+    lu = jsl.lu_factor(jax.lax.stop_gradient(mat))
+    ks = [k1]
+    ok = jnp.asarray(True)
+    eps = float(jnp.finfo(dt).eps)
+    # Newton stops once an update is a small fraction of the step's tolerance.
+    target = jnp.maximum(_NEWTON_KAPPA * rtol, 100 * eps)
+    for i in range(1, m.stages):
+        base = _combine(y, h, m.a[i], ks)
+        ti = t + m.c[i] * h
+        g = m.gamma[i]
+        guess = _combine(y, h, m.predictor[i - 1], ks) if m.predictor else base
+
+        def residual(z, base=base, ti=ti, g=g):
+            return z - base - (h * g) * f(z, ti, params)
+
+        def newton(res, z0):
+            def body(carry):
+                z, _, it, _ = carry
+                dz = jsl.lu_solve(lu, -res(z))
+                z = z + dz
+                size = jnp.max(jnp.abs(dz) / (1.0 + jnp.abs(z)))
+                return z, size, it + 1, jnp.all(jnp.isfinite(z))
+
+            def cond(carry):
+                _, size, it, finite = carry
+                return (it < _NEWTON_ITERS) & (size > target) & finite
+
+            big = jnp.asarray(jnp.inf, jnp.finfo(dt).dtype)
+            init = (z0, big, jnp.asarray(0), jnp.asarray(True))
+            z, size, _, finite = jax.lax.while_loop(cond, body, init)
+            converged = finite & (size <= target)
+            return z, converged
+
+        def tangent_solve(lin, rhs):
+            # The Jacobian of the residual at the stage value, solved densely.
+            dense = jax.jacfwd(lin)(jnp.zeros_like(rhs))
+            return jnp.linalg.solve(dense, rhs)
+
+        z, conv = custom_root(residual, guess, newton, tangent_solve, has_aux=True)
+        ok = ok & conv
+        ks.append(f(z, ti, params))
+    y1 = _combine(y, h, m.b, ks)
+    err = h * sum(ej * kj for ej, kj in zip(m.e, ks) if ej != 0.0)
+    return y1, err, ks[-1], ok
+
+
+Step = Callable[..., tuple[_Array, _Array, _Array, _Array]]

@@ -1,0 +1,582 @@
+"""`odeint`: a drop-in for `jax.experimental.ode.odeint` with every derivative mode.
+
+`odeint(func, y0, t, *args)` integrates `dy/dt = func(y, t, *args)` and returns the
+solution at every `t[i]`. Internally the state is one flat vector and the solve is one
+`implicitdiff.Primitive`, `_ODESolve`, whose rules are:
+
+- forward mode (`jvp`, `jacfwd`): forward sensitivities. The tangent `v = dy` obeys
+  `v' = J v + (df/dparams) dparams`; the rule integrates the pair `(y, v)` with the
+  same primitive, measuring the step error on `y` only, so the steps are those of the
+  primal solve and the tangent is the exact derivative of the computed solution with
+  those steps held fixed.
+- reverse mode, `adjoint="backsolve"`: the continuous adjoint `a' = -J^T a`,
+  `params_bar' = -(df/dparams)^T a`, integrated backwards from each output time to
+  the previous one together with `y` (as JAX does), again by the same primitive, so
+  reverse-over-reverse (`grad(grad)`) works.
+- reverse mode, `adjoint="checkpoint"`: the discrete adjoint. The forward pass records
+  each accepted step's start and size and the state every `sqrt(max_steps)` steps;
+  the backward pass recomputes one segment of states at a time and pulls the
+  cotangent back through each step (`jax.vjp` of the step). Memory is
+  `O(sqrt(max_steps))` states; the gradient is exact for the computed solution.
+- derivatives with respect to the times: `dy(t_i)/dt_i = f(y(t_i), t_i)` and
+  `dy(t_i)/dt_0 = -Phi(t_i, t_0) f(y_0, t_0)`, from the flow, for every mode.
+
+`vmap` maps the whole solve: each element keeps its own step sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+from jaxtyping import Array, Bool, Float, Int
+
+from implicitdiff import Primitive, Zero, error_if
+from implicitdiff._errors import max_over_batch
+from implicitdiff._jax_compat import closure_convert, instantiate_zeros
+
+from ._checks import returns_like, static_bool, static_int
+from ._info import SUCCESS
+from ._ode_loop import LoopConfig, integrate, replay_step
+from ._ode_methods import ADAPTIVE, FIXED, METHODS
+
+__all__ = ["odeint", "ODEInfo"]
+
+Method = Literal["dopri5", "tsit5", "bosh3", "dopri8", "kvaerno5", "rk4", "euler"]
+Adjoint = Literal["backsolve", "checkpoint"]
+_ADJOINTS = ("backsolve", "checkpoint")
+
+
+class ODEInfo(eqx.Module):
+    """What an `odeint` solve did (a pytree; one entry per element under `vmap`).
+
+    Attributes:
+        steps: accepted steps.
+        rejected: rejected step attempts.
+        num_fevals: evaluations of `func` by the explicit stages (an implicit method
+            also spends evaluations in its Newton iterations and Jacobians).
+        t_final: the time reached (`t[-1]` on success).
+        status: `SUCCESS` (0), `MAX_STEPS` (1: `mxstep` attempts in one output
+            interval, or more than `max_steps` steps recorded for
+            `adjoint="checkpoint"`), `NONFINITE` (2) or `DT_UNDERFLOW` (4: the step
+            size fell below the resolution of `t`).
+    """
+
+    steps: Int[Array, ...]
+    rejected: Int[Array, ...]
+    num_fevals: Int[Array, ...]
+    t_final: Float[Array, ...]
+    status: Int[Array, ...]
+
+    @property
+    def converged(self) -> Bool[Array, ...]:
+        """True where the solve reached the last output time."""
+        return self.status == SUCCESS
+
+
+def odeint(
+    func: Callable[..., Any],
+    y0: Any,
+    t: Any,
+    *args: Any,
+    rtol: float = 1.4e-8,
+    atol: float = 1.4e-8,
+    mxstep: float = jnp.inf,
+    hmax: float = jnp.inf,
+    method: Method = "dopri5",
+    dt: float | None = None,
+    adjoint: Adjoint = "backsolve",
+    max_steps: int = 4096,
+    throw: bool = True,
+    return_info: bool = False,
+    progress: bool = False,
+) -> Any:
+    """Integrate `dy/dt = func(y, t, *args)` from `y(t[0]) = y0`; output at every `t[i]`.
+
+    Called like `jax.experimental.ode.odeint` (same positional arguments, defaults and
+    output layout), with every derivative mode: `grad`, `jvp`/`jacfwd` (forward
+    sensitivities), `hessian`, `vmap`, `jit`; `func` may close over traced values and
+    `args` may hold integers.
+
+    Arguments:
+        func: the vector field `func(y, t, *args)`, returning a pytree like `y`.
+        y0: the initial state, a pytree of floating-point or complex arrays.
+        t: 1-D array of strictly increasing times; `t[0]` is the initial time.
+        *args: extra arguments of `func` (differentiated when floating point).
+        rtol: relative tolerance of the adaptive methods.
+        atol: absolute tolerance of the adaptive methods.
+        mxstep: the most step attempts between two consecutive output times.
+        hmax: the largest step size.
+        method: `"dopri5"` (default), `"tsit5"`, `"bosh3"`, `"dopri8"` (explicit
+            adaptive), `"kvaerno5"` (adaptive ESDIRK for stiff problems; its stage
+            equations are solved by Newton's method), or `"rk4"`/`"euler"` (fixed
+            step `dt`). Every method steps exactly onto each `t[i]`.
+        dt: the step of `"rk4"` and `"euler"` (required for them); steps are
+            shortened to land on each `t[i]`.
+        adjoint: reverse mode by `"backsolve"` (the continuous adjoint integrated
+            backwards, as JAX does; any order) or `"checkpoint"` (the exact gradient of
+            the computed solution, replaying the recorded steps from checkpoints;
+            usually faster; once in reverse mode, any order in forward mode).
+        max_steps: for `adjoint="checkpoint"`, the most accepted steps recorded (it
+            sets the memory: `sqrt(max_steps)` checkpoints of the state).
+        throw: raise at run time when the solve fails (`mxstep` exceeded, non-finite
+            state, step size underflow); with `throw=False` the status is in the info
+            and the rows of the output not reached are NaN.
+        return_info: also return an `ODEInfo`.
+        progress: print the time reached while solving (for long solves).
+
+    Returns:
+        The solution, a pytree like `y0` with a leading axis of length `len(t)`;
+        `(ys, info)` when `return_info`.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from solvers import odeint
+
+        def decay(y, t, k):
+            return -k * y
+
+        ts = jnp.linspace(0.0, 1.0, 3)
+        ys = odeint(decay, 1.0, ts, 2.0)          # exp(-2 t)
+        dk = jax.grad(lambda k: odeint(decay, 1.0, ts, k)[-1])(2.0)  # -exp(-2)
+        ```
+    """
+    name = "odeint"
+    if not callable(func):
+        raise TypeError(f"odeint: `func` must be callable as func(y, t, *args), got {func!r}")
+    if method not in METHODS:
+        raise ValueError(f"odeint: `method` must be one of {tuple(METHODS)}, got {method!r}")
+    if adjoint not in _ADJOINTS:
+        raise ValueError(f"odeint: `adjoint` must be one of {_ADJOINTS}, got {adjoint!r}")
+    rtol = _positive(name, "rtol", rtol)
+    atol = _positive(name, "atol", atol)
+    mxstep = _positive(name, "mxstep", mxstep)
+    hmax = _positive(name, "hmax", hmax)
+    max_steps = static_int(name, "max_steps", max_steps, minimum=1)
+    static_bool(name, "throw", throw)
+    static_bool(name, "return_info", return_info)
+    static_bool(name, "progress", progress)
+    m = METHODS[method]
+    if m.adaptive:
+        if dt is not None:
+            raise ValueError(
+                f"odeint: `dt` is for the fixed-step methods {FIXED}; method={method!r} "
+                "chooses its own steps (use `rtol`/`atol`, or `hmax` to cap them)"
+            )
+    else:
+        if dt is None:
+            raise ValueError(
+                f"odeint: method={method!r} takes fixed steps: pass the step size `dt=` "
+                f"(or use an adaptive method: {ADAPTIVE})"
+            )
+        dt = _positive(name, "dt", dt)
+
+    leaves = jax.tree_util.tree_leaves(y0)
+    if not leaves:
+        raise TypeError("odeint: `y0` must contain at least one array")
+    for leaf in leaves:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise TypeError(
+                "odeint: `y0` must hold floating-point or complex arrays, got dtype "
+                f"{jnp.result_type(leaf)}; pass e.g. `jnp.asarray(y0, float)`"
+            )
+    y_flat, unravel = ravel_pytree(y0)
+    tdt = jnp.finfo(y_flat.dtype).dtype
+    t = _check_times(t, tdt)
+
+    # Trace `func` once: to check what it returns, and to hoist the traced values it
+    # closes over so that they become differentiated inputs of the primitive.
+    f_conv, consts, _ = closure_convert(lambda y, s, *a: func(y, s, *a), y0, t[0], *args)
+    out = jax.eval_shape(f_conv, consts, y0, t[0], *args)
+    returns_like(name, "func(y0, t[0], *args)", out, "y0", y0)
+
+    params, ptree = jax.tree_util.tree_flatten((list(consts), args))
+    params = [jnp.asarray(p) for p in params]
+    is_diff = tuple(jnp.issubdtype(p.dtype, jnp.inexact) for p in params)
+    pd = tuple(p for p, d in zip(params, is_diff) if d)
+    pn = tuple(p for p, d in zip(params, is_diff) if not d)
+    field = _FlatField(f_conv, unravel, ptree, is_diff, y_flat.dtype)
+    loop = LoopConfig(
+        method=m, rtol=rtol, atol=atol, mxstep=mxstep, hmax=hmax, dt=dt, progress=progress
+    )
+    cfg = _Config(loop=loop, adjoint=adjoint, max_steps=max_steps, throw=throw, info=return_info)
+    ys, stats = _ODESolve.apply(y_flat, t, pd, pn, f=field, cfg=cfg)
+    ys = jax.vmap(unravel)(ys)
+    if return_info:
+        return ys, ODEInfo(**stats)
+    return ys
+
+
+def _positive(name: str, arg: str, value: Any) -> float:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name}: `{arg}` must be a Python float (it configures the solver), got a "
+            "traced value; pass it as a constant"
+        )
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: `{arg}` must be a positive float, got {value!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name}: `{arg}` must be positive, got {value}")
+    return value
+
+
+def _check_times(t: Any, tdt: Any) -> jax.Array:
+    if not isinstance(t, jax.core.Tracer):
+        t_np = np.asarray(t)
+        if t_np.ndim != 1 or t_np.shape[0] < 1:
+            raise ValueError(
+                f"odeint: `t` must be a 1-D array of output times, got shape {t_np.shape}"
+            )
+        if not np.all(np.isfinite(t_np)):
+            raise ValueError("odeint: `t` must be finite")
+        bad = np.flatnonzero(np.diff(t_np) <= 0)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                "odeint: `t` must be strictly increasing; "
+                f"t[{i}] = {t_np[i]!r} and t[{i + 1}] = {t_np[i + 1]!r}. "
+                "Sort the times and drop repeats (to integrate backwards, substitute "
+                "s = -t in `func`)."
+            )
+        return jnp.asarray(t, tdt)
+    if jnp.ndim(t) != 1:
+        raise ValueError(f"odeint: `t` must be a 1-D array of output times, got {jnp.shape(t)}")
+    t = jnp.asarray(t, tdt)
+    return error_if(
+        t,
+        jnp.any(jnp.diff(t) <= 0) | ~jnp.all(jnp.isfinite(t)),
+        "odeint: `t` must be finite and strictly increasing (checked at run time). Sort "
+        "the times and drop repeats.",
+    )
+
+
+class _FlatField:
+    """`func` on the flat state: `f(y, t, pd, pn)`, with `pd`/`pn` the differentiable
+    and other leaves of `(consts, args)`."""
+
+    def __init__(self, f_conv, unravel, ptree, is_diff, dtype):
+        self.f_conv, self.unravel, self.ptree = f_conv, unravel, ptree
+        self.is_diff, self.dtype = is_diff, dtype
+
+    def __call__(self, y, t, pd, pn):
+        it_d, it_n = iter(pd), iter(pn)
+        leaves = [next(it_d) if d else next(it_n) for d in self.is_diff]
+        consts, args = jax.tree_util.tree_unflatten(self.ptree, leaves)
+        out = self.f_conv(consts, self.unravel(y), t, *args)
+        return ravel_pytree(out)[0].astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    loop: LoopConfig
+    adjoint: str
+    max_steps: int
+    throw: bool
+    info: bool  # return the statistics (else `None`)
+
+
+_STATS = ("steps", "rejected", "num_fevals", "t_final", "status")
+
+
+def _stats_avals(tdt):
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    return dict(
+        steps=i32, rejected=i32, num_fevals=i32, t_final=jax.ShapeDtypeStruct((), tdt), status=i32
+    )
+
+
+# ---------------------------------------------------------------------------
+# The primitive.
+
+
+class _ODESolve(Primitive):
+    """`(ys, stats)` for `y' = f(y, t, pd, pn)` from `y0` at the times `ts` (flat state).
+
+    `pd` are the floating-point parameters (differentiated), `pn` the others. Params:
+    `f` (a `_FlatField` or a derived field) and `cfg` (a `_Config`).
+    """
+
+    symbolic_zeros = True
+
+    def __init__(self, y0_aval, ts_aval, pd_aval, pn_aval, *, f, cfg):
+        self.in_avals = (y0_aval, ts_aval, pd_aval, pn_aval)
+        n = y0_aval.shape[0]
+        ys = jax.ShapeDtypeStruct((ts_aval.shape[0], n), y0_aval.dtype)
+        self.out_aval = (ys, _stats_avals(ts_aval.dtype) if cfg.info else None)
+        self.params = dict(f=f, cfg=cfg)
+        super().__init__()
+
+    def _field(self):
+        f = self.f
+        return lambda y, t, params: f(y, t, *params)
+
+    def _run(self, y0, ts, pd, pn, record=0):
+        loop = dataclasses.replace(self.cfg.loop, record=record)
+        ys, stats, rec = integrate(self._field(), y0, ts, (pd, pn), loop)
+        if self.cfg.throw:
+            ys = _check(ys, stats, self.cfg)
+        return ys, (stats if self.cfg.info else None), rec
+
+    def expand(self, y0, ts, pd, pn):
+        ys, stats, _ = self._run(y0, ts, pd, pn)
+        return ys, stats
+
+    # ---- forward mode: forward sensitivities ----------------------------------
+
+    def jvp(self, primals, tangents):
+        y0, ts, pd, pn = primals
+        dy0, dts, dpd, _ = tangents
+        n = y0.shape[0]
+        f = self.f
+        dy0 = instantiate_zeros(dy0) if isinstance(dy0, Zero) else dy0
+        dpd = tuple(instantiate_zeros(d) if isinstance(d, Zero) else d for d in dpd)
+        v0 = dy0
+        if not isinstance(dts, Zero):
+            v0 = v0 - _times_dt(f(y0, ts[0], pd, pn), dts[0])
+        field = _TangentField(f, n, len(pd))
+        loop = self.cfg.loop
+        loop = dataclasses.replace(loop, err_size=loop.err_size or n)
+        cfg = dataclasses.replace(self.cfg, loop=loop)
+        zs, stats = _ODESolve.apply(
+            jnp.concatenate([y0, v0.astype(y0.dtype)]), ts, pd + dpd, pn, f=field, cfg=cfg
+        )
+        ys, vs = zs[:, :n], zs[:, n:]
+        if not isinstance(dts, Zero):
+            fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
+            vs = vs + jax.vmap(_times_dt)(fs, dts)
+        d_stats = None if stats is None else jax.tree_util.tree_map(jnp.zeros_like, stats)
+        return (ys, stats), (vs, d_stats)
+
+    # ---- reverse mode ----------------------------------------------------------
+
+    def vjp_fwd(self, nzs_in, y0, ts, pd, pn):
+        if self.cfg.adjoint == "backsolve":
+            out = self(y0, ts, pd, pn)
+            return out, (out[0], ts, pd, pn)
+        ys, stats, rec = self._run(y0, ts, pd, pn, record=self.cfg.max_steps)
+        return (ys, stats), (ys, ts, pd, pn, dict(rec))
+
+    def vjp_bwd_retval(self, res, g):
+        g_ys = g[0]
+        if isinstance(g_ys, Zero):
+            return None, None, None, None
+        ys, ts, pd, pn = res[:4]
+        f = self.f
+        if self.cfg.adjoint == "backsolve":
+            a0, ct_pd = _backsolve(f, self.cfg, ys, ts, pd, pn, g_ys)
+        else:
+            rec = res[4]
+            a0, ct_pd = _CheckpointSweep.apply(
+                rec["y_cp"],
+                g_ys,
+                pd,
+                pn,
+                (rec["t"], rec["h"], rec["out_step"], rec["steps"]),
+                f=f,
+                loop=self.cfg.loop,
+                every=dataclasses.replace(self.cfg.loop, record=self.cfg.max_steps).every,
+            )
+        # Times: y(t_i) moves with t_i along the flow; t_0 moves the whole trajectory.
+        fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
+        ct_ts = jax.vmap(_dt_cotangent)(fs, g_ys, ts)
+        ct_t0 = _dt_cotangent(fs[0], -a0, ts[0])
+        ct_ts = ct_ts.at[0].set(ct_t0)
+        return a0, ct_ts, ct_pd, None
+
+
+def _times_dt(fy, dt):
+    return fy * dt.astype(fy.dtype)
+
+
+def _dt_cotangent(fy, cot, t):
+    """The cotangent of `t` through `y = f_y * t` (a linear map; handles complex `y`)."""
+    return jax.vjp(lambda s: fy * s.astype(fy.dtype), t)[1](cot.astype(fy.dtype))[0]
+
+
+class _TangentField:
+    """`(y, v)' = (f(y), J v + (df/dpd) dpd)` for forward sensitivities; `pd` holds the
+    parameters followed by their tangents."""
+
+    def __init__(self, f, n, n_pd):
+        self.f, self.n, self.n_pd = f, n, n_pd
+
+    def __call__(self, z, t, pd, pn):
+        n, k = self.n, self.n_pd
+        y, v = z[:n], z[n:]
+        p, dp = pd[:k], pd[k:]
+        ydot, vdot = jax.jvp(lambda y, p: self.f(y, t, p, pn), (y, p), (v, dp))
+        return jnp.concatenate([ydot, vdot])
+
+
+class _AdjointField:
+    """The backward-in-time adjoint system in `s = -t`: `(y, a, p_bar)' = (-f,
+    J^T a, (df/dpd)^T a)`, as one flat vector."""
+
+    def __init__(self, f, n, unravel_p):
+        self.f, self.n, self.unravel_p = f, n, unravel_p
+
+    def __call__(self, z, s, pd, pn):
+        n = self.n
+        y, a = z[:n], z[n : 2 * n]
+        ydot, pullback = jax.vjp(lambda y, p: self.f(y, -s, p, pn), y, pd)
+        a_y, a_p = pullback(a)
+        p_flat = ravel_pytree(a_p)[0] if pd else jnp.zeros((0,), z.dtype)
+        return jnp.concatenate([-ydot, a_y, p_flat.astype(z.dtype)])
+
+
+def _backsolve(f, cfg, ys, ts, pd, pn, g):
+    n = ys.shape[1]
+    dtype = ys.dtype
+    p_flat, unravel_p = ravel_pytree(pd) if pd else (jnp.zeros((0,), dtype), None)
+    field = _AdjointField(f, n, unravel_p)
+    loop = dataclasses.replace(cfg.loop, err_size=None, record=0, progress=False)
+    adj_cfg = _Config(loop=loop, adjoint="backsolve", max_steps=cfg.max_steps, throw=cfg.throw,
+                      info=False)  # fmt: skip
+
+    def interval(carry, i):
+        a, p_bar = carry
+        a = a + g[i]
+        z = jnp.concatenate([ys[i], a, p_bar])
+        span = jnp.stack([-ts[i], -ts[i - 1]])
+        zs, _ = _ODESolve.apply(z, span, pd, pn, f=field, cfg=adj_cfg)
+        return (zs[-1, n : 2 * n], zs[-1, 2 * n :]), None
+
+    init = (jnp.zeros((n,), dtype), jnp.zeros(p_flat.shape, dtype))
+    steps = jnp.arange(ys.shape[0] - 1, 0, -1)
+    (a, p_bar), _ = jax.lax.scan(interval, init, steps)
+    a = a + g[0]
+    ct_pd = None
+    if pd:
+        if not jnp.iscomplexobj(p_flat):
+            p_bar = p_bar.real
+        ct_pd = unravel_p(p_bar.astype(p_flat.dtype))
+    return a, ct_pd
+
+
+# ---------------------------------------------------------------------------
+# The discrete adjoint's backward sweep, as a primitive of its own so that it can be
+# differentiated forward (for `hessian`) and refuses reverse-over-reverse clearly.
+
+
+class _CheckpointSweep(Primitive):
+    """`(y0_bar, pd_bar)`: the cotangent pulled back through the recorded steps.
+
+    Inputs `(y_cp, g, pd, pn, record)` with `record = (t, h, out_step, steps)`.
+    Params: `f`, `loop` (a `LoopConfig`), `every` (steps between checkpoints).
+    """
+
+    def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every):
+        self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
+        self.out_aval = (jax.ShapeDtypeStruct(g_aval.shape[1:], g_aval.dtype), pd_aval)
+        self.params = dict(f=f, loop=loop, every=every)
+        super().__init__()
+
+    def expand(self, y_cp, g, pd, pn, rec):
+        return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec)
+
+    def jvp(self, primals, tangents):
+        y_cp, g, pd, pn, rec = primals
+        d_cp, d_g, d_pd, _, _ = tangents
+
+        def run(y_cp, g, pd):
+            return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec)
+
+        return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
+
+    def vjp_fwd(self, nzs_in, *args):
+        raise NotImplementedError(
+            "odeint(adjoint='checkpoint') is differentiable once in reverse mode (and "
+            "then to any order in forward mode, e.g. jax.hessian = jacfwd(jacrev)). For "
+            "reverse-over-reverse (grad of grad), use adjoint='backsolve'."
+        )
+
+
+def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
+    rec_t, rec_h, out_step, steps = rec
+    n_out, n = g.shape
+    method = loop.method
+    cap = rec_t.shape[0]
+
+    def step(y, k, pd):
+        field = lambda y, t, params: f(y, t, *params)  # noqa: E731
+        k = jnp.minimum(k, cap - 1)
+        return replay_step(method, field, y, rec_t[k], rec_h[k], (pd, pn), loop.rtol)
+
+    # Segments of `every` steps, last first. The loop counters are the same for every
+    # element of a vmap batch (the bound is the batch's largest step count, and the
+    # steps past an element's own count are masked), so indexing stays a slice.
+    def segment(i, carry):
+        a, p_bar, ptr = carry
+        seg = n_seg - 1 - i
+        k0 = seg * every
+        m = jnp.clip(steps - k0, 0, every)  # this element's steps in the segment
+
+        def forward(j, ys):
+            y1 = step(ys[j], k0 + j, pd)
+            return ys.at[j + 1].set(jnp.where(j + 1 < m, y1, ys[j]))
+
+        ys = jnp.zeros((every, n), y_cp.dtype).at[0].set(y_cp[seg])
+        ys = jax.lax.fori_loop(0, every - 1, forward, ys)
+
+        def back(jj, c):
+            a, p_bar, ptr = c
+            j = every - 1 - jj
+            k = k0 + j
+            active = j < m
+            hit = active & (ptr >= 1) & (out_step[ptr] == k + 1)
+            a = a + jnp.where(hit, g[ptr], jnp.zeros_like(a))
+            ptr = ptr - hit.astype(ptr.dtype)
+            _, pullback = jax.vjp(lambda y, p: step(y, k, p), ys[j], pd)
+            da, dp = pullback(a)
+            a = jnp.where(active, da, a)
+            p_bar = jax.tree_util.tree_map(lambda pb, d: jnp.where(active, pb + d, pb), p_bar, dp)
+            return a, p_bar, ptr
+
+        return jax.lax.fori_loop(0, every, back, (a, p_bar, ptr))
+
+    n_seg = (max_over_batch(steps) + every - 1) // every
+    init = (
+        jnp.zeros((n,), g.dtype),
+        jax.tree_util.tree_map(jnp.zeros_like, pd),
+        jnp.asarray(n_out - 1, jnp.int32),
+    )
+    a, p_bar, _ = jax.lax.fori_loop(0, n_seg, segment, init)
+    return a + g[0], p_bar
+
+
+# ---------------------------------------------------------------------------
+# Failure.
+
+
+def _check(ys, stats, cfg):
+    loop = cfg.loop
+    msg = (
+        "odeint failed at t = {t:.10g} after {steps} steps: status {status} "
+        f"(1: more than mxstep={loop.mxstep:g} step attempts between two output times"
+        + (
+            f", or more than max_steps={cfg.max_steps} steps recorded for adjoint='checkpoint'"
+            if cfg.adjoint == "checkpoint"
+            else ""
+        )
+        + "; 2: non-finite values in the state or in func; "
+        "4: step size underflow, the step size fell below the resolution of t: a "
+        "singularity, or a stiff problem for an explicit method). To fix it: raise "
+        "`mxstep`/`max_steps`, loosen `rtol`/`atol`, use method='kvaerno5' for stiff "
+        "problems, or check func and its inputs for NaN. Pass throw=False with "
+        "return_info=True to get the status instead (the rows not reached are NaN)."
+    )
+    return error_if(
+        ys,
+        stats["status"] != SUCCESS,
+        msg,
+        values={"t": stats["t_final"], "steps": stats["steps"], "status": stats["status"]},
+    )
