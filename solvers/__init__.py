@@ -12,15 +12,20 @@
 - `odeint`: integrate an ODE (adaptive explicit, stiff and fixed-step Runge-Kutta
   methods), call-compatible with `jax.experimental.ode.odeint`, with forward
   sensitivities and a continuous or checkpointed discrete adjoint; `ODEInfo`.
+- `odeint_event`: integrate until an event function crosses zero; the event time
+  and state are differentiated through the implicit function theorem.
+- `steady_state`: integrate to equilibrium, differentiated implicitly.
 
 `solvers.nn` arrives with a later issue.
 """
 
 from ._info import BAD_BRACKET, DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
+from .events import odeint_event
 from .fixed_point import fixed_point
 from .minimize import minimize
 from .odeint import ODEInfo, odeint
 from .root import root
+from .steady_state import steady_state
 
 __all__ = [
     "fixed_point",
@@ -28,6 +33,8 @@ __all__ = [
     "minimize",
     "odeint",
     "ODEInfo",
+    "odeint_event",
+    "steady_state",
     "SolveInfo",
     "SUCCESS",
     "MAX_STEPS",

@@ -98,6 +98,37 @@ def _minimize_newton_log():
     return argmin, (jnp.array([0.5, 2.0, 7.0]),), jnp.log
 
 
+def _odeint_pendulum():
+    from solvers import odeint
+
+    def pendulum(y, t, m, g):
+        return jnp.stack([y[1], -m * y[1] - g * jnp.sin(y[0])])
+
+    ts = jnp.linspace(0.0, 2.0, 5)
+
+    def solve(y0, m, g):
+        return odeint(pendulum, y0, ts, m, g, rtol=1e-11, atol=1e-11)
+
+    return solve, (jnp.array([jnp.pi - 0.1, 0.0]), jnp.asarray(0.25), jnp.asarray(9.8))
+
+
+def _odeint_van_der_pol():
+    from solvers import odeint
+
+    def vdp(y, t, mu):
+        return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
+
+    ts = jnp.linspace(0.0, 1.0, 3)
+
+    def solve(y0, mu):
+        # Backsolve would integrate the stiff state backwards (unstable): checkpoint.
+        return odeint(
+            vdp, y0, ts, mu, method="kvaerno5", adjoint="checkpoint", rtol=1e-10, atol=1e-10
+        )
+
+    return solve, (jnp.array([2.0, 0.0]), jnp.asarray(20.0))
+
+
 def problems() -> list[Problem]:
     """The solvers' gradient-check problems (the `implicitdiff.gradcheck` entry point)."""
     return [
@@ -130,5 +161,20 @@ def problems() -> list[Problem]:
             "minimize-newton-log",
             _minimize_newton_log,
             description="solvers.minimize(method='newton'): argmin exp(x) - a x = log(a)",
+        ),
+        Problem(
+            "odeint-pendulum",
+            _odeint_pendulum,
+            description="solvers.odeint (dopri5, backsolve): the damped pendulum, d/d(y0, m, g)",
+            atol=1e-6,
+            rtol=1e-6,
+        ),
+        Problem(
+            "odeint-van-der-pol-stiff",
+            _odeint_van_der_pol,
+            order=1,
+            description="solvers.odeint (kvaerno5, checkpoint): stiff van der Pol, d/d(y0, mu)",
+            atol=1e-5,
+            rtol=1e-5,
         ),
     ]

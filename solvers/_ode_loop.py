@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from ._ode_methods import Method
 __all__ = ["LoopConfig", "Record", "integrate", "replay_step"]
 
 _SAFETY, _IFACTOR, _DFACTOR = 0.9, 10.0, 0.2
+EVENT = -1  # internal status: the loop stopped before a step across an event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,7 @@ class LoopConfig:
     hmax: float
     dt: float | None  # fixed step (fixed-step methods)
     err_size: int | None = None  # measure the error on the first `err_size` entries only
+    event: Any = None  # g(y, t, params): stop before the first step across a zero of g
     record: int = 0  # >0: record up to this many accepted steps (checkpointed adjoint)
     progress: bool = False
 
@@ -119,6 +122,8 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
     zero = jnp.asarray(0, jnp.int32)
     status0 = jnp.where(jnp.all(jnp.isfinite(k0)), SUCCESS, NONFINITE).astype(jnp.int32)
     carry = dict(t=t0, y=y0, k=k0, h=h0, acc=zero, rej=zero, tries=zero, status=status0)
+    if cfg.event is not None:
+        carry["g"] = jnp.sign(cfg.event(y0, t0, params))
     if cfg.record:
         every = cfg.every
         n_cp = cfg.record // every + 3  # the last one is a spare
@@ -165,6 +170,14 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         status = jnp.where(underflow, jnp.where(finite, DT_UNDERFLOW, NONFINITE), status)
         status = jnp.where(~(accept & last) & (tries >= mxstep), MAX_STEPS, status)
 
+        if cfg.event is not None:
+            # A step across a zero of the event function is not taken: the loop stops
+            # before it (status EVENT), with `h` the size of the step that crossed.
+            g1 = jnp.sign(cfg.event(y1, t1, params))
+            crossed = accept & (g1 != c["g"]) & (status == SUCCESS)
+            status = jnp.where(crossed, EVENT, status)
+            h_new = jnp.where(crossed, h_step, h_new)
+            accept = accept & ~crossed
         out = dict(c)
         out["t"] = jnp.where(accept, t1, t)
         out["y"] = jnp.where(accept, y1, y)
@@ -243,6 +256,8 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         t_final=c["t"],
         status=c["status"],
     )
+    if cfg.event is not None:  # where the loop stopped, for locating the event
+        stats.update(y=c["y"], k=c["k"], h=c["h"])
     record = None
     if cfg.record:
         record = Record(
