@@ -52,6 +52,11 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
         "jaxopt, optimistix, unrolled (per call, vmap over 1e6, compile; float32 and float64)",
         {m: ["-m", "benchmarks.newton_sqrt", f"--{m}"] for m in ("quick", "full")},
     ),
+    "pendulum": (
+        "damped pendulum ODE: solvers.odeint vs jax odeint, diffrax, scipy (forward, grad, "
+        "vmap, jacfwd, hessian, compile, RHS evals, error; float32 and float64)",
+        {m: ["-m", "benchmarks.pendulum", f"--{m}"] for m in ("quick", "full")},
+    ),
     "transformations": (
         "every solver method under every transformation, float64, vs closed forms (ok/FAIL)",
         {
