@@ -208,6 +208,8 @@ class _PrimLin:
     def _rule_transpose(self, res, cts):
         prim = self.prim
         if not prim._caps()[1]:
+            if prim.no_vjp_message:
+                raise NotImplementedError(prim.no_vjp_message)
             raise NotImplementedError(
                 f"for grad support, subclass {type(prim).__name__} must implement "
                 "`vjp_fwd` and `vjp_bwd_retval` (or `vjp_bwd`), or derive them from `jvp` "
@@ -342,6 +344,9 @@ class Primitive:
     #: tangents for inputs that are not differentiated; when False (default) they
     #: receive arrays of zeros. Cotangents given to `vjp_bwd*` may always be `Zero`.
     symbolic_zeros: ClassVar[bool] = False
+    #: A subclass without reverse-mode rules on purpose can set the error message that
+    #: reverse mode (`grad`, `vjp`) raises, e.g. to point to an alternative.
+    no_vjp_message: ClassVar[str | None] = None
     _caps_cache: ClassVar[tuple[bool, bool, bool]] = (False, False, False)
 
     def __init_subclass__(cls, **kwargs):
@@ -692,6 +697,8 @@ class Primitive:
         name = type(self).__name__
         if is_vjp:
             if not has_vjp:
+                if self.no_vjp_message:
+                    raise NotImplementedError(self.no_vjp_message)
                 raise NotImplementedError(
                     f"for grad support, subclass {name} must implement `vjp_fwd` and "
                     "`vjp_bwd_retval` (or `vjp_bwd`); a primitive with a `jvp` rule can "

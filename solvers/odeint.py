@@ -41,7 +41,7 @@ from implicitdiff import Primitive, Zero, error_if
 from implicitdiff._errors import max_over_batch
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
-from ._checks import returns_like, static_bool, static_int
+from ._checks import static_bool, static_int
 from ._info import SUCCESS
 from ._ode_loop import LoopConfig, integrate, replay_step
 from ._ode_methods import ADAPTIVE, FIXED, METHODS
@@ -195,7 +195,7 @@ def odeint(
     # closes over so that they become differentiated inputs of the primitive.
     f_conv, consts, _ = closure_convert(lambda y, s, *a: func(y, s, *a), y0, t[0], *args)
     out = jax.eval_shape(f_conv, consts, y0, t[0], *args)
-    returns_like(name, "func(y0, t[0], *args)", out, "y0", y0)
+    _check_field(out, y_flat)
 
     params, ptree = jax.tree_util.tree_flatten((list(consts), args))
     params = [jnp.asarray(p) for p in params]
@@ -212,6 +212,22 @@ def odeint(
     if return_info:
         return ys, ODEInfo(**stats)
     return ys
+
+
+def _check_field(out: Any, y_flat: Any) -> None:
+    """Like JAX's odeint, `func` may return any pytree with as many numbers as `y0`
+    (both are flattened); anything else is an error naming `func`."""
+    leaves = jax.tree_util.tree_leaves(out)
+    size = sum(int(np.prod(leaf.shape)) for leaf in leaves)
+    if size != y_flat.shape[0] or not all(
+        jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves
+    ):
+        desc = [f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves]
+        raise TypeError(
+            f"odeint: `func(y0, t[0], *args)` must return floating-point arrays with "
+            f"as many numbers as `y0` ({y_flat.shape[0]}, usually the same pytree), got "
+            f"{desc}"
+        )
 
 
 def _positive(name: str, arg: str, value: Any) -> float:
@@ -282,6 +298,7 @@ class _Config:
     max_steps: int
     throw: bool
     info: bool  # return the statistics (else `None`)
+    backward: bool = False  # the adjoint solve of adjoint="backsolve", in s = -t
 
 
 _STATS = ("steps", "rejected", "num_fevals", "t_final", "status")
@@ -388,7 +405,8 @@ class _ODESolve(Primitive):
         # Times: y(t_i) moves with t_i along the flow; t_0 moves the whole trajectory.
         fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
         ct_ts = jax.vmap(_dt_cotangent)(fs, g_ys, ts)
-        ct_t0 = _dt_cotangent(fs[0], -a0, ts[0])
+        # ys[0] = y0 does not move with t_0; the later outputs do, by -Phi f(y0, t0).
+        ct_t0 = _dt_cotangent(fs[0], -(a0 - g_ys[0]), ts[0])
         ct_ts = ct_ts.at[0].set(ct_t0)
         return a0, ct_ts, ct_pd, None
 
@@ -440,7 +458,7 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
     field = _AdjointField(f, n, unravel_p)
     loop = dataclasses.replace(cfg.loop, err_size=None, record=0, progress=False)
     adj_cfg = _Config(loop=loop, adjoint="backsolve", max_steps=cfg.max_steps, throw=cfg.throw,
-                      info=False)  # fmt: skip
+                      info=False, backward=True)  # fmt: skip
 
     def interval(carry, i):
         a, p_bar = carry
@@ -474,6 +492,12 @@ class _CheckpointSweep(Primitive):
     Params: `f`, `loop` (a `LoopConfig`), `every` (steps between checkpoints).
     """
 
+    no_vjp_message = (
+        "odeint(adjoint='checkpoint') is differentiable once in reverse mode (and then to "
+        "any order in forward mode, e.g. jax.hessian = jacfwd(jacrev)). For "
+        "reverse-over-reverse (grad of grad), use adjoint='backsolve'."
+    )
+
     def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every):
         self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
         self.out_aval = (jax.ShapeDtypeStruct(g_aval.shape[1:], g_aval.dtype), pd_aval)
@@ -491,13 +515,6 @@ class _CheckpointSweep(Primitive):
             return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec)
 
         return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
-
-    def vjp_fwd(self, nzs_in, *args):
-        raise NotImplementedError(
-            "odeint(adjoint='checkpoint') is differentiable once in reverse mode (and "
-            "then to any order in forward mode, e.g. jax.hessian = jacfwd(jacrev)). For "
-            "reverse-over-reverse (grad of grad), use adjoint='backsolve'."
-        )
 
 
 def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
@@ -559,9 +576,15 @@ def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
 
 def _check(ys, stats, cfg):
     loop = cfg.loop
+    where = (
+        "odeint's adjoint solve (adjoint='backsolve', integrating backwards in time) "
+        "failed at t = {t:.10g} after {steps} steps: status {status} "
+        if cfg.backward
+        else "odeint failed at t = {t:.10g} after {steps} steps: status {status} "
+    )
     msg = (
-        "odeint failed at t = {t:.10g} after {steps} steps: status {status} "
-        f"(1: more than mxstep={loop.mxstep:g} step attempts between two output times"
+        where
+        + f"(1: more than mxstep={loop.mxstep:g} step attempts between two output times"
         + (
             f", or more than max_steps={cfg.max_steps} steps recorded for adjoint='checkpoint'"
             if cfg.adjoint == "checkpoint"
@@ -573,10 +596,19 @@ def _check(ys, stats, cfg):
         "`mxstep`/`max_steps`, loosen `rtol`/`atol`, use method='kvaerno5' for stiff "
         "problems, or check func and its inputs for NaN. Pass throw=False with "
         "return_info=True to get the status instead (the rows not reached are NaN)."
+        + (
+            " A stiff problem is unstable backwards: use adjoint='checkpoint' for it."
+            if cfg.backward
+            else ""
+        )
     )
     return error_if(
         ys,
         stats["status"] != SUCCESS,
         msg,
-        values={"t": stats["t_final"], "steps": stats["steps"], "status": stats["status"]},
+        values={
+            "t": -stats["t_final"] if cfg.backward else stats["t_final"],
+            "steps": stats["steps"],
+            "status": stats["status"],
+        },
     )
