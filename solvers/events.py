@@ -63,7 +63,13 @@ def odeint_event(
         t0: the initial time.
         t_max: the latest time searched.
         *args: extra arguments of `func` and `event`.
-        rtol, atol, mxstep, hmax, method, dt, adjoint: as for `odeint`.
+        rtol: as for `odeint`.
+        atol: as for `odeint`.
+        mxstep: as for `odeint`.
+        hmax: as for `odeint`.
+        method: as for `odeint`.
+        dt: as for `odeint` (fixed-step methods).
+        adjoint: as for `odeint` (the reverse mode of the solves to the event).
         throw: raise at run time when no event happens before `t_max` (or the solve
             fails); with `throw=False`, `t_max` and the state there come back, with
             the status `MAX_STEPS` in the info.
