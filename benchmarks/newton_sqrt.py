@@ -61,14 +61,11 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -80,9 +77,8 @@ from typing import Any
 import numpy as np
 
 from ._env import cpus, loadavg, peer_versions
+from ._workers import ROOT, log, parse_args, run_workers, write_report
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results"
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
@@ -113,10 +109,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     ),
     "full": dict(call_rounds=400, call_block=20, vmap_rounds=75, vmap_budget=60.0, compile_reps=9),
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -770,69 +762,26 @@ def plot(results: list[DtypeResult], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        dest="mode",
-        action="store_const",
-        const="quick",
-        help="fewer repeats: about a minute on 2 CPU cores",
+    opts = parse_args(
+        __doc__.splitlines()[0],
+        argv,
+        DTYPES,
+        quick_help="fewer repeats: about a minute on 2 CPU cores",
+        check_help="exit with status 1 when a goal is missed or a result is outside the tolerance",
     )
-    mode.add_argument(
-        "--full", dest="mode", action="store_const", const="full", help="more repeats"
-    )
-    parser.add_argument(
-        "--dtypes",
-        default=",".join(DTYPES),
-        help="comma-separated dtypes to run (default: float32,float64)",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="exit with status 1 when a goal is missed or a result is outside the tolerance",
-    )
-    parser.add_argument("--worker", choices=DTYPES, help=argparse.SUPPRESS)
-    parser.add_argument("--json", help=argparse.SUPPRESS)
-    parser.set_defaults(mode="default")
-    opts = parser.parse_args(argv)
-
     if opts.worker:  # one dtype, in this process; results as JSON
         result = run_worker(opts.worker, opts.mode)
         Path(opts.json).write_text(json.dumps(asdict(result)))
         return 0
 
-    dtypes = [d.strip() for d in opts.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
-        parser.error(f"unknown dtype(s) {bad}; choose from {DTYPES}")
     start, load0 = time.perf_counter(), loadavg()
-    log(f"newton_sqrt benchmark (--{opts.mode}), dtypes {dtypes}, {cpus()}")
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype in dtypes:
-            out = Path(tmp) / f"{dtype}.json"
-            cmd = [sys.executable, "-m", "benchmarks.newton_sqrt", "--worker", dtype]
-            cmd += ["--json", str(out)] + ([f"--{opts.mode}"] if opts.mode != "default" else [])
-            rc = subprocess.call(cmd, cwd=ROOT)
-            if rc != 0:
-                log(f"the {dtype} worker failed (exit {rc})")
-                return 1
-            data = json.loads(out.read_text())
-            data["rows"] = [Row(**r) for r in data["rows"]]
-            results.append(DtypeResult(**data))
-
+    log(f"newton_sqrt benchmark (--{opts.mode}), dtypes {opts.dtypes}, {cpus()}")
+    raw = run_workers("benchmarks.newton_sqrt", opts.dtypes, opts.mode)
+    if raw is None:
+        return 1
+    results = [DtypeResult(**dict(d, rows=[Row(**r) for r in d["rows"]])) for d in raw]
     report = render(results, opts.mode, time.perf_counter() - start, (load0, loadavg()))
-    print()
-    print(report)
-    RESULTS.mkdir(exist_ok=True)
-    md = RESULTS / "newton_sqrt.md"
-    md.write_text(report)
-    written = [md]
-    png = RESULTS / "newton_sqrt.png"
-    if plot(results, png):
-        written.append(png)
-    log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in written))
+    write_report("newton_sqrt", report, lambda png: plot(results, png))
     if opts.check:
         verdicts = [goals(r) for r in results]
         missed = not all(v.call_ok and v.vmap_ok and v.compile_ok for v in verdicts)

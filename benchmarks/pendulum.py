@@ -62,15 +62,12 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -80,9 +77,8 @@ from typing import Any
 import numpy as np
 
 from ._env import cpus, loadavg, peer_versions
+from ._workers import ROOT, log, parse_args, run_workers, write_report
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results"
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
@@ -131,10 +127,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "default": dict(rounds=15, block=5, budget=5.0, compile_reps=3, count=True),
     "full": dict(rounds=40, block=10, budget=20.0, compile_reps=5, count=True),
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -945,72 +937,26 @@ def plot(results: list[DtypeResult], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        dest="mode",
-        action="store_const",
-        const="quick",
-        help="few repeats: under ~2 minutes on 2 CPU cores",
+    opts = parse_args(
+        __doc__.splitlines()[0],
+        argv,
+        DTYPES,
+        quick_help="few repeats: under ~2 minutes on 2 CPU cores",
+        check_help="exit with status 1 when a goal is missed or a row of ours failed",
     )
-    mode.add_argument(
-        "--default", dest="mode", action="store_const", const="default", help="(the default)"
-    )
-    mode.add_argument(
-        "--full", dest="mode", action="store_const", const="full", help="more repeats"
-    )
-    parser.add_argument(
-        "--dtypes",
-        default=",".join(DTYPES),
-        help="comma-separated dtypes to run (default: float32,float64)",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="exit with status 1 when a goal is missed or a row of ours failed",
-    )
-    parser.add_argument("--worker", choices=DTYPES, help=argparse.SUPPRESS)
-    parser.add_argument("--json", help=argparse.SUPPRESS)
-    parser.set_defaults(mode="default")
-    opts = parser.parse_args(argv)
-
     if opts.worker:  # one dtype, in this process; results as JSON
         result = run_worker(opts.worker, opts.mode)
         Path(opts.json).write_text(json.dumps(asdict(result)))
         return 0
 
-    dtypes = [d.strip() for d in opts.dtypes.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
-        parser.error(f"unknown dtype(s) {bad}; choose from {DTYPES}")
     start, load0 = time.perf_counter(), loadavg()
-    log(f"pendulum benchmark (--{opts.mode}), dtypes {dtypes}, {cpus()}")
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype in dtypes:
-            out = Path(tmp) / f"{dtype}.json"
-            cmd = [sys.executable, "-m", "benchmarks.pendulum", "--worker", dtype]
-            cmd += ["--json", str(out), f"--{opts.mode}"]
-            rc = subprocess.call(cmd, cwd=ROOT)
-            if rc != 0:
-                log(f"the {dtype} worker failed (exit {rc})")
-                return 1
-            data = json.loads(out.read_text())
-            data["rows"] = [Row(**r) for r in data["rows"]]
-            results.append(DtypeResult(**data))
-
+    log(f"pendulum benchmark (--{opts.mode}), dtypes {opts.dtypes}, {cpus()}")
+    raw = run_workers("benchmarks.pendulum", opts.dtypes, opts.mode)
+    if raw is None:
+        return 1
+    results = [DtypeResult(**dict(d, rows=[Row(**r) for r in d["rows"]])) for d in raw]
     report = render(results, opts.mode, time.perf_counter() - start, (load0, loadavg()))
-    print()
-    print(report)
-    RESULTS.mkdir(exist_ok=True)
-    md = RESULTS / "pendulum.md"
-    md.write_text(report)
-    written = [md]
-    png = RESULTS / "pendulum.png"
-    if plot(results, png):
-        written.append(png)
-    log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in written))
+    write_report("pendulum", report, lambda png: plot(results, png))
     if opts.check:
         missed = not all(goal.ok for r in results for goal in goals(r))
         broken = any(row.errors for r in results for row in r.rows if row.kind == "ours")

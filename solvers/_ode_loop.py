@@ -33,7 +33,7 @@ import numpy as np
 from ._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS
 from ._ode_methods import Method
 
-__all__ = ["LoopConfig", "Record", "integrate", "replay_step"]
+__all__ = ["LoopConfig", "Record", "checkpoint_every", "integrate", "replay_step"]
 
 _SAFETY, _IFACTOR, _DFACTOR = 0.9, 10.0, 0.2
 EVENT = -1  # internal status: the loop stopped before a step across an event
@@ -56,8 +56,13 @@ class LoopConfig:
 
     @property
     def every(self) -> int:
-        """Accepted steps between two checkpoints of the state when recording."""
-        return max(1, math.isqrt(max(self.record, 1)))
+        return checkpoint_every(self.record)
+
+
+def checkpoint_every(record: int) -> int:
+    """Accepted steps between two checkpoints of the state when recording `record`
+    steps: `sqrt(record)`, so both the checkpoints and one segment hold that many."""
+    return max(1, math.isqrt(max(record, 1)))
 
 
 class Record(dict):

@@ -15,7 +15,6 @@ stage solve did not converge (the step is then rejected).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import diffrax
@@ -27,8 +26,6 @@ import numpy as np
 from implicitdiff import custom_root
 
 __all__ = ["Method", "METHODS", "get_method"]
-
-_Array = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +212,3 @@ def _esdirk_step(m: Method, f, y, k1, t, h, params, *, rtol):
     y1 = _combine(y, h, m.b, ks)
     err = h * sum(ej * kj for ej, kj in zip(m.e, ks) if ej != 0.0)
     return y1, err, ks[-1], ok
-
-
-Step = Callable[..., tuple[_Array, _Array, _Array, _Array]]

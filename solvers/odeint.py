@@ -43,7 +43,7 @@ from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
 from ._checks import static_bool, static_int
 from ._info import SUCCESS
-from ._ode_loop import LoopConfig, integrate, replay_step
+from ._ode_loop import LoopConfig, checkpoint_every, integrate, replay_step
 from ._ode_methods import ADAPTIVE, FIXED, METHODS
 
 __all__ = ["odeint", "ODEInfo"]
@@ -400,7 +400,7 @@ class _ODESolve(Primitive):
                 (rec["t"], rec["h"], rec["out_step"], rec["steps"]),
                 f=f,
                 loop=self.cfg.loop,
-                every=dataclasses.replace(self.cfg.loop, record=self.cfg.max_steps).every,
+                every=checkpoint_every(self.cfg.max_steps),
             )
         # Times: y(t_i) moves with t_i along the flow; t_0 moves the whole trajectory.
         fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
@@ -439,8 +439,8 @@ class _AdjointField:
     """The backward-in-time adjoint system in `s = -t`: `(y, a, p_bar)' = (-f,
     J^T a, (df/dpd)^T a)`, as one flat vector."""
 
-    def __init__(self, f, n, unravel_p):
-        self.f, self.n, self.unravel_p = f, n, unravel_p
+    def __init__(self, f, n):
+        self.f, self.n = f, n
 
     def __call__(self, z, s, pd, pn):
         n = self.n
@@ -455,7 +455,7 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
     n = ys.shape[1]
     dtype = ys.dtype
     p_flat, unravel_p = ravel_pytree(pd) if pd else (jnp.zeros((0,), dtype), None)
-    field = _AdjointField(f, n, unravel_p)
+    field = _AdjointField(f, n)
     loop = dataclasses.replace(cfg.loop, err_size=None, record=0, progress=False)
     adj_cfg = _Config(loop=loop, adjoint="backsolve", max_steps=cfg.max_steps, throw=cfg.throw,
                       info=False, backward=True)  # fmt: skip
