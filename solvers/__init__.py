@@ -11,15 +11,17 @@
 
 - `odeint`: integrate an ODE (adaptive explicit, stiff and fixed-step Runge-Kutta
   methods), call-compatible with `jax.experimental.ode.odeint`, with forward
-  sensitivities and a continuous or checkpointed discrete adjoint; `ODEInfo`.
+  sensitivities and a continuous or checkpointed discrete adjoint; `ODEInfo`;
+  with `dense=True` an `ODESolution` to evaluate anywhere in the span.
 - `odeint_event`: integrate until an event function crosses zero; the event time
   and state are differentiated through the implicit function theorem.
 - `steady_state`: integrate to equilibrium, differentiated implicitly.
 
-`solvers.nn` arrives with a later issue.
+`solvers.nn` packages them as Equinox layers: `DEQ`, `NeuralODE`, `RootLayer`, `ArgminLayer`.
 """
 
 from ._info import BAD_BRACKET, DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
+from ._ode_solution import ODESolution
 from .events import odeint_event
 from .fixed_point import fixed_point
 from .minimize import minimize
@@ -33,6 +35,7 @@ __all__ = [
     "minimize",
     "odeint",
     "ODEInfo",
+    "ODESolution",
     "odeint_event",
     "steady_state",
     "SolveInfo",

@@ -52,6 +52,7 @@ class LoopConfig:
     err_size: int | None = None  # measure the error on the first `err_size` entries only
     event: Any = None  # g(y, t, params): stop before the first step across a zero of g
     record: int = 0  # >0: record up to this many accepted steps (checkpointed adjoint)
+    dense: int = 0  # >0: output every accepted step, up to this many (dense output)
     progress: bool = False
 
     @property
@@ -110,6 +111,10 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
     Returns `(ys, stats, record)`: `ys` has one row per output time (`ys[0] = y0`),
     `stats` is a dict of counters, the final time and the status, and `record` is a
     `Record` when `cfg.record`, else `None`.
+
+    With `cfg.dense`, `ts` is the span `[t0, t1]` and the output has a row for every
+    accepted step: `ys` has `cfg.dense + 1` rows, `stats["t_nodes"]` their times, and
+    the rows past the last step repeat the final state and time (NaN on failure).
     """
     method = cfg.method
     dt = y0.dtype
@@ -222,7 +227,35 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         y_out = jnp.where(c["status"] == SUCCESS, c["y"], jnp.full_like(c["y"], jnp.nan))
         return c, (y_out, c["acc"])
 
-    if cfg.record:
+    t_nodes = None
+    if cfg.dense:
+        # Every accepted step is an output row: one flat loop to the end of the span.
+        n_rows = cfg.dense + 1
+
+        def dense_body(c):
+            inner = {k: v for k, v in c.items() if k not in ("ys", "tn")}
+            new = body(ts[-1], inner)
+            row = jnp.where(new["acc"] > c["acc"], jnp.minimum(new["acc"], n_rows), n_rows)
+            new["ys"] = c["ys"].at[row].set(new["y"])  # row n_rows is a spare
+            new["tn"] = c["tn"].at[row].set(new["t"])
+            full = new["acc"] > cfg.dense
+            new["status"] = jnp.where(full, MAX_STEPS, new["status"]).astype(jnp.int32)
+            return new
+
+        carry.update(
+            ys=jnp.zeros((n_rows + 1, n), dt).at[0].set(y0),
+            tn=jnp.zeros((n_rows + 1,), tdt).at[0].set(t0),
+        )
+        c = jax.lax.while_loop(
+            lambda c: (c["t"] < ts[-1]) & (c["status"] == SUCCESS), dense_body, carry
+        )
+        rows = jnp.arange(n_rows)
+        done = rows <= c["acc"]
+        y_pad = jnp.where(c["status"] == SUCCESS, c["y"], jnp.full_like(c["y"], jnp.nan))
+        ys = jnp.where(done[:, None], c["ys"][:n_rows], y_pad)
+        t_nodes = jnp.where(done, c["tn"][:n_rows], c["t"])
+        out_step = rows.astype(jnp.int32)
+    elif cfg.record:
         # One flat loop over all steps: the record buffers then stay in place (a loop
         # nested in a scan would copy them at every output time).
         def flat_body(c):
@@ -261,6 +294,8 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         t_final=c["t"],
         status=c["status"],
     )
+    if t_nodes is not None:
+        stats["t_nodes"] = t_nodes
     if cfg.event is not None:  # where the loop stopped, for locating the event
         stats.update(y=c["y"], k=c["k"], h=c["h"])
     record = None

@@ -15,6 +15,7 @@ stage solve did not converge (the step is then rejected).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import diffrax
@@ -25,7 +26,7 @@ import numpy as np
 
 from implicitdiff import custom_root
 
-__all__ = ["Method", "METHODS", "get_method"]
+__all__ = ["Method", "METHODS", "get_method", "explicit_stages", "stage_polynomials"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,9 @@ class Method:
             `None` for an explicit method.
         predictor: for ESDIRK, the weights of each stage's initial guess in the
             earlier stages (diffrax's `a_predictor`).
-        stiff: whether it is meant for stiff problems (implicit stages).
+        interpolation: diffrax's interpolation class for the method's own continuous
+            extension (see `stage_polynomials`), or `None` for a cubic Hermite
+            interpolant from the values and derivatives at the step ends.
     """
 
     name: str
@@ -55,6 +58,7 @@ class Method:
     e: tuple[float, ...] | None
     gamma: tuple[float, ...] | None = None
     predictor: tuple[tuple[float, ...], ...] | None = None
+    interpolation: Any = None
 
     @property
     def stages(self) -> int:
@@ -85,16 +89,49 @@ def _from_diffrax(name: str, solver: Any, order: int) -> Method:
     if tab.implicit:
         gamma = tup(tab.a_diagonal)
         predictor = tuple(tup(row) for row in tab.a_predictor)
+    b = tup(tab.b_sol)
+    interp = solver.interpolation_cls
+    interp = interp if isinstance(interp, type) else None  # None: cubic Hermite
     return Method(
         name=name,
         order=order,
         c=c,
         a=((),) + a,
-        b=tup(tab.b_sol),
+        b=b,
         e=tup(tab.b_error),
         gamma=gamma,
         predictor=predictor,
+        interpolation=interp,
     )
+
+
+@functools.cache
+def stage_polynomials(m: Method) -> np.ndarray:
+    """The method's continuous extension `y(t + theta h) = y + h sum_j w_j(theta) k_j`
+    as a `(stages, degree + 1)` array: the coefficients of each weight `w_j`, lowest
+    power first.
+
+    They come from diffrax's interpolant: it is linear in the stages, so probing it
+    with one unit stage per component gives every weight at once, and a least-squares
+    fit through more points than the degree recovers the coefficients (to rounding).
+    """
+    s = m.stages
+    with jax.enable_x64(True):
+        interp = m.interpolation(
+            t0=0.0,
+            t1=1.0,
+            y0=jnp.zeros(s, jnp.float64),
+            y1=jnp.asarray(m.b, jnp.float64),
+            k=jnp.eye(s, dtype=jnp.float64),
+        )
+        thetas = np.linspace(0.0, 1.0, 25)
+        w = np.stack([np.asarray(interp.evaluate(th), np.float64) for th in thetas])
+    for degree in range(1, 12):  # the lowest degree that fits exactly
+        vander = np.vander(thetas, degree + 1, increasing=True)
+        coef = np.linalg.lstsq(vander, w, rcond=None)[0]  # (degree + 1, stages)
+        if np.max(np.abs(vander @ coef - w)) < 1e-13:
+            return coef.T
+    raise AssertionError(f"no polynomial fits the interpolant of {m.name}")
 
 
 METHODS: dict[str, Method] = {
@@ -136,11 +173,17 @@ def _combine(y, h, coeffs, ks):
     return y + h * acc
 
 
-def _explicit_step(m: Method, f, y, k1, t, h, params):
+def explicit_stages(m: Method, f, y, k1, t, h, params):
+    """The stage derivatives `[k_1, ..., k_s]` of an explicit step."""
     ks = [k1]
     for i in range(1, m.stages):
         yi = _combine(y, h, m.a[i], ks)
         ks.append(f(yi, t + m.c[i] * h, params))
+    return ks
+
+
+def _explicit_step(m: Method, f, y, k1, t, h, params):
+    ks = explicit_stages(m, f, y, k1, t, h, params)
     y1 = _combine(y, h, m.b, ks)
     if m.adaptive:
         err = h * sum(ej * kj for ej, kj in zip(m.e, ks) if ej != 0.0)

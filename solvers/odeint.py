@@ -45,6 +45,7 @@ from ._checks import static_bool, static_int
 from ._info import SUCCESS
 from ._ode_loop import LoopConfig, checkpoint_every, integrate, replay_step
 from ._ode_methods import ADAPTIVE, FIXED, METHODS
+from ._ode_solution import ODESolution, step_polynomials
 
 __all__ = ["odeint", "ODEInfo"]
 
@@ -96,6 +97,7 @@ def odeint(
     throw: bool = True,
     return_info: bool = False,
     progress: bool = False,
+    dense: bool = False,
 ) -> Any:
     """Integrate `dy/dt = func(y, t, *args)` from `y(t[0]) = y0`; output at every `t[i]`.
 
@@ -124,16 +126,23 @@ def odeint(
             the computed solution, replaying the recorded steps from checkpoints;
             usually faster; once in reverse mode, any order in forward mode).
         max_steps: for `adjoint="checkpoint"`, the most accepted steps recorded (it
-            sets the memory: `sqrt(max_steps)` checkpoints of the state).
+            sets the memory: `sqrt(max_steps)` checkpoints of the state); with
+            `dense=True`, the most steps kept.
         throw: raise at run time when the solve fails (`mxstep` exceeded, non-finite
             state, step size underflow); with `throw=False` the status is in the info
             and the rows of the output not reached are NaN.
         return_info: also return an `ODEInfo`.
         progress: print the time reached while solving (for long solves).
+        dense: return an `ODESolution` to evaluate anywhere in the span instead of
+            the values at `t`; `t` is then the span `[t0, t1]`. Every accepted step
+            is kept (at most `max_steps`); between steps the solution is the method's
+            own interpolant (Dopri5, Tsit5, Dopri8) or a cubic Hermite one.
+            Derivatives with respect to `y0` and `args` work in every mode; the span
+            itself is not differentiated.
 
     Returns:
-        The solution, a pytree like `y0` with a leading axis of length `len(t)`;
-        `(ys, info)` when `return_info`.
+        The solution, a pytree like `y0` with a leading axis of length `len(t)`, or
+        an `ODESolution` when `dense`; `(solution, info)` when `return_info`.
 
     Example:
         ```python
@@ -163,6 +172,7 @@ def odeint(
     static_bool(name, "throw", throw)
     static_bool(name, "return_info", return_info)
     static_bool(name, "progress", progress)
+    static_bool(name, "dense", dense)
     m = METHODS[method]
     if m.adaptive:
         if dt is not None:
@@ -190,6 +200,11 @@ def odeint(
     y_flat, unravel = ravel_pytree(y0)
     tdt = jnp.finfo(y_flat.dtype).dtype
     t = _check_times(t, tdt)
+    if dense and t.shape[0] != 2:
+        raise ValueError(
+            f"odeint: with dense=True, `t` is the span [t0, t1] (2 times), got {t.shape[0]} "
+            "times; evaluate the returned ODESolution at the times you need"
+        )
 
     # Trace `func` once: to check what it returns, and to hoist the traced values it
     # closes over so that they become differentiated inputs of the primitive.
@@ -204,14 +219,30 @@ def odeint(
     pn = tuple(p for p, d in zip(params, is_diff) if not d)
     field = _FlatField(f_conv, unravel, ptree, is_diff, y_flat.dtype)
     loop = LoopConfig(
-        method=m, rtol=rtol, atol=atol, mxstep=mxstep, hmax=hmax, dt=dt, progress=progress
+        method=m,
+        rtol=rtol,
+        atol=atol,
+        mxstep=mxstep,
+        hmax=hmax,
+        dt=dt,
+        progress=progress,
+        dense=max_steps if dense else 0,
     )
     cfg = _Config(loop=loop, adjoint=adjoint, max_steps=max_steps, throw=throw, info=return_info)
-    ys, stats = _ODESolve.apply(y_flat, t, pd, pn, f=field, cfg=cfg)
-    ys = jax.vmap(unravel)(ys)
+    ys, stats, t_nodes = _ODESolve.apply(y_flat, t, pd, pn, f=field, cfg=cfg)
+    out = jax.vmap(unravel)(ys)
+    if dense:
+        flat_f = lambda y, s, params: field(y, s, *params)  # noqa: E731
+        coeffs = step_polynomials(m, flat_f, ys, t_nodes, (pd, pn))
+        out = ODESolution(
+            ts=t_nodes,
+            ys=out,
+            coeffs=jax.vmap(jax.vmap(unravel))(coeffs),
+            num_steps=jnp.sum(t_nodes < t_nodes[-1]).astype(jnp.int32),
+        )
     if return_info:
-        return ys, ODEInfo(**stats)
-    return ys
+        return out, ODEInfo(**stats)
+    return out
 
 
 def _check_field(out: Any, y_flat: Any) -> None:
@@ -327,8 +358,10 @@ class _ODESolve(Primitive):
     def __init__(self, y0_aval, ts_aval, pd_aval, pn_aval, *, f, cfg):
         self.in_avals = (y0_aval, ts_aval, pd_aval, pn_aval)
         n = y0_aval.shape[0]
-        ys = jax.ShapeDtypeStruct((ts_aval.shape[0], n), y0_aval.dtype)
-        self.out_aval = (ys, _stats_avals(ts_aval.dtype) if cfg.info else None)
+        rows = cfg.loop.dense + 1 if cfg.loop.dense else ts_aval.shape[0]
+        ys = jax.ShapeDtypeStruct((rows, n), y0_aval.dtype)
+        tn = jax.ShapeDtypeStruct((rows,), ts_aval.dtype) if cfg.loop.dense else None
+        self.out_aval = (ys, _stats_avals(ts_aval.dtype) if cfg.info else None, tn)
         self.params = dict(f=f, cfg=cfg)
         super().__init__()
 
@@ -339,13 +372,13 @@ class _ODESolve(Primitive):
     def _run(self, y0, ts, pd, pn, record=0):
         loop = dataclasses.replace(self.cfg.loop, record=record)
         ys, stats, rec = integrate(self._field(), y0, ts, (pd, pn), loop)
+        tn = stats.pop("t_nodes", None)
         if self.cfg.throw:
             ys = _check(ys, stats, self.cfg)
-        return ys, (stats if self.cfg.info else None), rec
+        return (ys, (stats if self.cfg.info else None), tn), rec
 
     def expand(self, y0, ts, pd, pn):
-        ys, stats, _ = self._run(y0, ts, pd, pn)
-        return ys, stats
+        return self._run(y0, ts, pd, pn)[0]
 
     # ---- forward mode: forward sensitivities ----------------------------------
 
@@ -358,40 +391,51 @@ class _ODESolve(Primitive):
         dpd = tuple(instantiate_zeros(d) if isinstance(d, Zero) else d for d in dpd)
         v0 = dy0
         if not isinstance(dts, Zero):
+            _span_not_differentiable(self.cfg)
             v0 = v0 - _times_dt(f(y0, ts[0], pd, pn), dts[0])
         field = _TangentField(f, n, len(pd))
         loop = self.cfg.loop
         loop = dataclasses.replace(loop, err_size=loop.err_size or n)
         cfg = dataclasses.replace(self.cfg, loop=loop)
-        zs, stats = _ODESolve.apply(
+        zs, stats, tn = _ODESolve.apply(
             jnp.concatenate([y0, v0.astype(y0.dtype)]), ts, pd + dpd, pn, f=field, cfg=cfg
         )
         ys, vs = zs[:, :n], zs[:, n:]
         if not isinstance(dts, Zero):
             fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
             vs = vs + jax.vmap(_times_dt)(fs, dts)
-        d_stats = None if stats is None else jax.tree_util.tree_map(jnp.zeros_like, stats)
-        return (ys, stats), (vs, d_stats)
+        zeros = lambda x: None if x is None else jax.tree_util.tree_map(jnp.zeros_like, x)  # noqa: E731
+        return (ys, stats, tn), (vs, zeros(stats), zeros(tn))
 
     # ---- reverse mode ----------------------------------------------------------
 
     def vjp_fwd(self, nzs_in, y0, ts, pd, pn):
+        if nzs_in[1]:
+            _span_not_differentiable(self.cfg)
         if self.cfg.adjoint == "backsolve":
             out = self(y0, ts, pd, pn)
-            return out, (out[0], ts, pd, pn)
-        ys, stats, rec = self._run(y0, ts, pd, pn, record=self.cfg.max_steps)
-        return (ys, stats), (ys, ts, pd, pn, dict(rec))
+            return out, (out[0], ts, pd, pn, out[2])
+        out, rec = self._run(y0, ts, pd, pn, record=self.cfg.max_steps)
+        return out, (out[0], ts, pd, pn, out[2], dict(rec))
 
     def vjp_bwd_retval(self, res, g):
         g_ys = g[0]
         if isinstance(g_ys, Zero):
             return None, None, None, None
-        ys, ts, pd, pn = res[:4]
+        ys, ts, pd, pn, tn = res[:5]
         f = self.f
+        if tn is not None:
+            # Dense output: the rows past the last step repeat its state, so their
+            # cotangents all belong to that step; the outputs are at the step times.
+            last = jnp.sum(tn < tn[-1])
+            rows = jnp.arange(tn.shape[0])[:, None]
+            tail = jnp.sum(jnp.where(rows > last, g_ys, 0), axis=0)
+            g_ys = jnp.where(rows > last, 0, g_ys) + jnp.where(rows == last, tail, 0)
+            ts = tn
         if self.cfg.adjoint == "backsolve":
             a0, ct_pd = _backsolve(f, self.cfg, ys, ts, pd, pn, g_ys)
         else:
-            rec = res[4]
+            rec = res[5]
             a0, ct_pd = _CheckpointSweep.apply(
                 rec["y_cp"],
                 g_ys,
@@ -402,6 +446,8 @@ class _ODESolve(Primitive):
                 loop=self.cfg.loop,
                 every=checkpoint_every(self.cfg.max_steps),
             )
+        if tn is not None:
+            return a0, None, ct_pd, None
         # Times: y(t_i) moves with t_i along the flow; t_0 moves the whole trajectory.
         fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
         ct_ts = jax.vmap(_dt_cotangent)(fs, g_ys, ts)
@@ -409,6 +455,14 @@ class _ODESolve(Primitive):
         ct_t0 = _dt_cotangent(fs[0], -(a0 - g_ys[0]), ts[0])
         ct_ts = ct_ts.at[0].set(ct_t0)
         return a0, ct_ts, ct_pd, None
+
+
+def _span_not_differentiable(cfg):
+    if cfg.loop.dense:
+        raise NotImplementedError(
+            "odeint(dense=True) is not differentiable with respect to the span `t`; "
+            "differentiate the solution at fixed times with odeint(func, y0, t) instead"
+        )
 
 
 def _times_dt(fy, dt):
@@ -456,7 +510,7 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
     dtype = ys.dtype
     p_flat, unravel_p = ravel_pytree(pd) if pd else (jnp.zeros((0,), dtype), None)
     field = _AdjointField(f, n)
-    loop = dataclasses.replace(cfg.loop, err_size=None, record=0, progress=False)
+    loop = dataclasses.replace(cfg.loop, err_size=None, record=0, dense=0, progress=False)
     adj_cfg = _Config(loop=loop, adjoint="backsolve", max_steps=cfg.max_steps, throw=cfg.throw,
                       info=False, backward=True)  # fmt: skip
 
@@ -465,7 +519,7 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
         a = a + g[i]
         z = jnp.concatenate([ys[i], a, p_bar])
         span = jnp.stack([-ts[i], -ts[i - 1]])
-        zs, _ = _ODESolve.apply(z, span, pd, pn, f=field, cfg=adj_cfg)
+        zs = _ODESolve.apply(z, span, pd, pn, f=field, cfg=adj_cfg)[0]
         return (zs[-1, n : 2 * n], zs[-1, 2 * n :]), None
 
     init = (jnp.zeros((n,), dtype), jnp.zeros(p_flat.shape, dtype))
@@ -564,7 +618,8 @@ def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
     init = (
         jnp.zeros((n,), g.dtype),
         jax.tree_util.tree_map(jnp.zeros_like, pd),
-        jnp.asarray(n_out - 1, jnp.int32),
+        # The last output reached (with dense output, the last step's row).
+        jnp.minimum(n_out - 1, steps).astype(jnp.int32),
     )
     a, p_bar, _ = jax.lax.fori_loop(0, n_seg, segment, init)
     return a + g[0], p_bar
@@ -586,7 +641,9 @@ def _check(ys, stats, cfg):
         where
         + f"(1: more than mxstep={loop.mxstep:g} step attempts between two output times"
         + (
-            f", or more than max_steps={cfg.max_steps} steps recorded for adjoint='checkpoint'"
+            f", or more than max_steps={cfg.max_steps} steps kept for dense=True"
+            if loop.dense
+            else f", or more than max_steps={cfg.max_steps} steps recorded for adjoint='checkpoint'"
             if cfg.adjoint == "checkpoint"
             else ""
         )

@@ -1,0 +1,143 @@
+"""Dense output of `odeint`: the solution between the steps as one polynomial per step.
+
+`odeint(..., dense=True)` keeps the state at every accepted step and, for each step,
+the polynomial in `theta = (t - t_i) / h_i` that the method itself offers between
+its ends:
+
+- Dopri5, Tsit5 and Dopri8 have continuous extensions built from the step's own
+  stages, `y(t_i + theta h) = y_i + h sum_j w_j(theta) k_j`, accurate to about the
+  order of the method (4, 4 and 7); the stages are recomputed from the kept states
+  once, after the solve.
+- The others (Bosh3, Kvaerno5, RK4, Euler) use the cubic Hermite interpolant that
+  matches the values and derivatives at both ends, `O(h^4)` per step.
+
+The coefficients are ordinary differentiable functions of the kept states and the
+arguments of `func`, so derivatives of `evaluate(t)` reach the inputs of the solve
+through `odeint`'s own rules, and reach `t` through the polynomial.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from implicitdiff import error_if
+
+from ._ode_methods import Method, explicit_stages, stage_polynomials
+
+__all__ = ["ODESolution", "step_polynomials"]
+
+
+class ODESolution(eqx.Module):
+    """The solution of `odeint(..., dense=True)`, to evaluate at any time in the span.
+
+    A pytree (it can be returned from `jit`, batched by `vmap`, differentiated).
+
+    Attributes:
+        ts: the step times, `ts[0] = t0`, ..., `ts[num_steps] = t1`; the rows after
+            `num_steps` repeat `t1` (the buffer has `max_steps + 1` rows).
+        ys: the state at each step time (a pytree like `y0` with a leading axis).
+        coeffs: per step, the coefficients of its polynomial in `theta`, lowest
+            power first (a pytree like `y0`; each leaf has the axes `(step, power)`
+            in front).
+        num_steps: the number of accepted steps.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from solvers import odeint
+
+        sol = odeint(lambda y, t: -y, 1.0, jnp.array([0.0, 2.0]), dense=True)
+        sol.evaluate(jnp.linspace(0.0, 2.0, 5))  # close to exp(-t)
+        sol.derivative(1.0)  # close to -exp(-1)
+        ```
+    """
+
+    ts: Float[Array, ...]
+    ys: Any
+    coeffs: Any
+    num_steps: Int[Array, ...]
+
+    @property
+    def t0(self) -> Float[Array, ...]:
+        """The start of the span."""
+        return self.ts[0]
+
+    @property
+    def t1(self) -> Float[Array, ...]:
+        """The end of the span."""
+        return self.ts[-1]
+
+    def evaluate(self, t: Any) -> Any:
+        """The solution at `t` (a scalar or an array of times inside the span).
+
+        Returns a pytree like `y0` whose leaves have the shape of `t` in front.
+        """
+        return self._interpolate(t, derivative=False)
+
+    def derivative(self, t: Any) -> Any:
+        """`dy/dt` of the interpolant at `t` (same layout as `evaluate`)."""
+        return self._interpolate(t, derivative=True)
+
+    def _interpolate(self, t: Any, *, derivative: bool) -> Any:
+        t = jnp.asarray(t, self.ts.dtype)
+        t = error_if(
+            t,
+            jnp.any((t < self.ts[0]) | (t > self.ts[-1]) | ~jnp.isfinite(t)),
+            "ODESolution.evaluate: `t` must lie inside the span of the solve [t0, t1]; "
+            "solve over a longer span to evaluate further",
+        )
+        shape = t.shape
+        flat = t.reshape(-1)
+        # The step holding `t`: the last node at or before it, never the final node.
+        i = jnp.searchsorted(self.ts, flat, side="right") - 1
+        i = jnp.clip(i, 0, jnp.maximum(self.num_steps - 1, 0))
+        h = self.ts[i + 1] - self.ts[i]
+        theta = (flat - self.ts[i]) / h
+
+        def leaf(c):
+            c = c[i]  # (queries, powers, ...)
+            powers = c.shape[1]
+            if derivative:
+                c = c[:, 1:] * jnp.arange(1, powers, dtype=theta.dtype).reshape(
+                    (1, -1) + (1,) * (c.ndim - 2)
+                ).astype(c.dtype)
+            th = theta.reshape((-1,) + (1,) * (c.ndim - 2)).astype(c.dtype)
+            out = c[:, -1]
+            for p in range(c.shape[1] - 2, -1, -1):  # Horner
+                out = out * th + c[:, p]
+            if derivative:
+                out = out / h.reshape(th.shape).astype(c.dtype)
+            return out.reshape(shape + out.shape[1:])
+
+        return jax.tree_util.tree_map(leaf, self.coeffs)
+
+
+def step_polynomials(method: Method, f, ys, ts, params):
+    """The coefficients of each step's polynomial in `theta` (lowest power first).
+
+    `f(y, t, params)` is the flat vector field, `ys` the states at the step times `ts`
+    (flat, one row per node). Returns an array `(steps, powers, n)` for the steps
+    between consecutive nodes.
+    """
+    y_a, y_b = ys[:-1], ys[1:]
+    t_a = ts[:-1]
+    h = (ts[1:] - t_a).astype(ys.dtype)[:, None]
+    if method.interpolation is None:
+        # Cubic Hermite from the values and derivatives at both ends.
+        fs = jax.vmap(f, (0, 0, None))(ys, ts, params)
+        f_a, f_b = h * fs[:-1], h * fs[1:]
+        d = y_b - y_a
+        return jnp.stack([y_a, f_a, 3 * d - 2 * f_a - f_b, f_a + f_b - 2 * d], axis=1)
+
+    def stages(y, t, hh):
+        return jnp.stack(explicit_stages(method, f, y, f(y, t, params), t, hh, params))
+
+    ks = jax.vmap(stages)(y_a, t_a, h[:, 0].astype(ts.dtype))  # (steps, stages, n)
+    w = jnp.asarray(stage_polynomials(method), ks.real.dtype)  # (stages, powers)
+    coeffs = h[:, None] * jnp.einsum("jp,rjn->rpn", w.astype(ks.dtype), ks)
+    return coeffs.at[:, 0].add(y_a)

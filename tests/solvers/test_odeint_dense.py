@@ -1,0 +1,165 @@
+"""`odeint(..., dense=True)`: the `ODESolution` against closed forms, in every
+derivative mode, under vmap and jit, and its failure modes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from solvers import ODESolution, odeint
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+SPAN = (0.0, 2.0)
+TQ = np.linspace(0.0, 2.0, 41)  # query times, including both ends
+
+
+def decay(y, t, k):
+    return -k * y
+
+
+def oscillator(y, t, w):
+    return {"x": y["v"], "v": -(w**2) * y["x"]}
+
+
+def _dense(func, y0, *args, **kw):
+    kw.setdefault("max_steps", 256)
+    return odeint(func, y0, jnp.asarray(SPAN), *args, dense=True, **kw)
+
+
+@pytest.mark.parametrize(
+    ("method", "kw", "tol"),
+    [
+        ("dopri5", {}, 2e-6),
+        ("tsit5", {}, 2e-6),
+        ("dopri8", {}, 2e-6),
+        ("bosh3", dict(rtol=1e-9, atol=1e-9, max_steps=2048), 2e-6),
+        ("kvaerno5", {}, 2e-6),
+        ("rk4", dict(dt=1 / 32), 2e-6),
+    ],
+)
+def test_oscillator_values_and_derivative_against_closed_form(x64, method, kw, tol):
+    w = 1.7
+    sol = _dense(oscillator, {"x": 1.0, "v": 0.0}, w, method=method, **kw)
+    assert isinstance(sol, ODESolution)
+    ys = sol.evaluate(TQ)
+    np.testing.assert_allclose(ys["x"], np.cos(w * TQ), atol=tol)
+    np.testing.assert_allclose(ys["v"], -w * np.sin(w * TQ), atol=tol * w)
+    dys = sol.derivative(TQ)
+    np.testing.assert_allclose(dys["x"], -w * np.sin(w * TQ), atol=50 * tol)
+    np.testing.assert_allclose(dys["v"], -(w**2) * np.cos(w * TQ), atol=50 * tol * w)
+
+
+def test_nodes_are_the_steps_and_padding_repeats_the_end(x64):
+    sol, info = _dense(decay, 1.0, 1.5, return_info=True)
+    n = int(sol.num_steps)
+    assert n == int(info.steps) > 5
+    ts = np.asarray(sol.ts)
+    assert ts[0] == SPAN[0] and ts[n] == SPAN[1]
+    assert np.all(np.diff(ts[: n + 1]) > 0)
+    np.testing.assert_array_equal(ts[n:], SPAN[1])
+    np.testing.assert_array_equal(np.asarray(sol.ys)[n:], np.asarray(sol.ys)[n])
+    # At the nodes the interpolant is the computed solution, and the same solve
+    # with the nodes as output times gives it too.
+    np.testing.assert_allclose(sol.evaluate(ts[: n + 1]), sol.ys[: n + 1], rtol=1e-14)
+    np.testing.assert_allclose(sol.ys[: n + 1], np.exp(-1.5 * ts[: n + 1]), rtol=5e-7)
+    # Dopri5's interpolant has the step's own derivative at both ends.
+    np.testing.assert_allclose(sol.derivative(ts[: n + 1]), -1.5 * sol.ys[: n + 1], rtol=1e-12)
+    # A scalar time gives a scalar; a 2-D array of times keeps its shape.
+    assert sol.evaluate(0.3).shape == ()
+    assert sol.evaluate(np.full((2, 3), 0.3)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("adjoint", ["backsolve", "checkpoint"])
+def test_reverse_mode_against_closed_form(x64, adjoint):
+    def loss(y0, k):
+        ys = _dense(decay, y0, k, adjoint=adjoint).evaluate(TQ)
+        return jnp.sum(jnp.sin(ys))
+
+    y0, k = 1.2, 1.5
+    g_y0, g_k = jax.grad(loss, (0, 1))(y0, k)
+    ys = y0 * np.exp(-k * TQ)
+    np.testing.assert_allclose(g_y0, np.sum(np.cos(ys) * np.exp(-k * TQ)), rtol=1e-5)
+    np.testing.assert_allclose(g_k, np.sum(np.cos(ys) * -TQ * ys), rtol=1e-5)
+
+
+def test_forward_mode_and_hessian_and_grad_grad(x64):
+    def at(k, adjoint="backsolve"):
+        return _dense(decay, 1.0, k, adjoint=adjoint).evaluate(TQ)
+
+    k = 1.5
+    np.testing.assert_allclose(jax.jacfwd(at)(k), -TQ * np.exp(-k * TQ), atol=2e-6)
+    second = TQ**2 * np.exp(-k * TQ)
+    for adjoint in ("backsolve", "checkpoint"):
+        h = jax.hessian(lambda k, a=adjoint: at(k, a)[17])(k)
+        np.testing.assert_allclose(h, second[17], rtol=1e-5)
+    gg = jax.grad(jax.grad(lambda k: at(k)[17]))(k)
+    np.testing.assert_allclose(gg, second[17], rtol=1e-5)
+
+
+def test_derivative_with_respect_to_the_query_time(x64):
+    sol = _dense(decay, 1.0, 1.5)
+    for t in (0.0, 0.37, 1.0, 2.0):
+        np.testing.assert_allclose(jax.grad(sol.evaluate)(t), sol.derivative(t), rtol=1e-12)
+        np.testing.assert_allclose(sol.derivative(t), -1.5 * np.exp(-1.5 * t), rtol=2e-5)
+
+
+def test_vmap_jit_and_per_element_steps(x64):
+    ks = jnp.array([0.5, 1.5, 6.0])
+    sols = jax.jit(jax.vmap(lambda k: _dense(decay, 1.0, k)))(ks)
+    assert sols.ts.shape == (3, 257)
+    steps = np.asarray(sols.num_steps)
+    assert steps[0] < steps[1] < steps[2]
+    ys = jax.vmap(lambda s: s.evaluate(TQ))(sols)
+    np.testing.assert_allclose(ys, np.exp(-np.outer(ks, TQ)), atol=2e-6)
+
+    for adjoint in ("backsolve", "checkpoint"):
+        g = jax.vmap(jax.grad(lambda k, a=adjoint: _dense(decay, 1.0, k, adjoint=a).evaluate(0.9)))(
+            ks
+        )
+        np.testing.assert_allclose(g, -0.9 * np.exp(-0.9 * ks), rtol=1e-5)
+        gv = jax.grad(
+            lambda ks, a=adjoint: jnp.sum(
+                jax.vmap(lambda k: _dense(decay, 1.0, k, adjoint=a).evaluate(0.9))(ks)
+            )
+        )(ks)
+        np.testing.assert_allclose(gv, g, rtol=1e-10)
+
+
+def test_float32():
+    sol = odeint(decay, jnp.float32(1.0), jnp.array(SPAN, jnp.float32), 1.5, dense=True,
+                 rtol=1e-5, atol=1e-5, max_steps=128)  # fmt: skip
+    assert sol.evaluate(0.5).dtype == jnp.float32
+    np.testing.assert_allclose(sol.evaluate(TQ.astype(np.float32)), np.exp(-1.5 * TQ), atol=1e-4)
+
+
+def test_span_must_be_two_times():
+    with pytest.raises(ValueError, match=r"dense=True, `t` is the span \[t0, t1\]"):
+        odeint(decay, 1.0, jnp.linspace(0.0, 1.0, 5), 1.0, dense=True)
+
+
+def test_span_is_not_differentiated():
+    def f(t1):
+        return odeint(decay, 1.0, jnp.stack([0.0, t1]), 1.0, dense=True).evaluate(0.5)
+
+    for transform in (jax.grad, jax.jacfwd):
+        with pytest.raises(
+            NotImplementedError, match="not differentiable with respect to the span"
+        ):
+            transform(f)(1.0)
+
+
+def test_evaluate_outside_the_span_raises():
+    sol = _dense(decay, 1.0, 1.0)
+    with pytest.raises(Exception, match="must lie inside the span"):
+        jax.block_until_ready(sol.evaluate(2.5))
+
+
+def test_too_many_steps_raises_or_reports(x64):
+    with pytest.raises(Exception, match="status 1.*max_steps=4 steps kept for dense=True"):
+        jax.block_until_ready(_dense(decay, 1.0, 1.0, max_steps=4).ys)
+    sol, info = _dense(decay, 1.0, 1.0, max_steps=4, throw=False, return_info=True)
+    assert int(info.status) == 1
+    # What was kept is the trajectory up to where the solve stopped.
+    assert float(sol.t1) <= float(info.t_final) < SPAN[1]
+    np.testing.assert_allclose(sol.ys, np.exp(-np.asarray(sol.ts)), rtol=1e-6)
