@@ -9,11 +9,13 @@ How it works:
 - Otherwise `pred` is reduced to one boolean. A `jax.custom_batching.custom_vmap` rule
   folds any `vmap` batch dimensions into that boolean as well ("does *any* batch element
   fail?"), so the next step stays a real branch rather than becoming a `select`.
-- A `lax.cond` on that boolean passes `x` straight through when nothing failed (no copy to
-  the host). On failure it runs a `jax.pure_callback` that receives `pred`, the message
-  values and the leaves of `x`, and raises on the host. Because the leaves
-  of `x` are routed through the branch, the check is part of the data flow of the returned
-  value and cannot be removed as dead code, as long as the caller uses the result.
+- A `lax.cond` on that boolean does nothing when nothing failed (no copy to the host). On
+  failure it runs a `jax.pure_callback` that receives `pred` and the message values (never
+  `x`) and raises on the host. The branch's boolean result (False whenever the program
+  goes on) selects between the first leaf of `x` and NaN, so the check is part of the
+  data flow of the returned value and cannot be removed as dead code, as long as the
+  caller uses the result; and since `x` itself never enters the branch, a sharded `x`
+  keeps its sharding (a callback's operands are gathered to one device).
 - The whole thing is a `jax.custom_jvp` whose tangent rule is the identity, so tangents of
   `x` flow through untouched and the check lives on the primal path only (forward mode,
   reverse mode, `linearize` and higher orders alike).
@@ -141,34 +143,40 @@ def _format_message(msg: str, names: tuple[str, ...], pred: np.ndarray, values) 
     return text
 
 
-def _host_check(static, pred, values, leaves):
+def _host_check(static, pred, values):
     msg, names = static
     pred = np.asarray(pred)
     if np.any(pred):
         raise ImplicitDiffRuntimeError(_format_message(msg, names, pred, values))
-    return tuple(np.asarray(leaf) for leaf in leaves)
+    return np.zeros(pred.shape, np.bool_)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _checked(static, pred, values, leaves):
     any_failed = any_over_batch(reduce_any(pred))
 
-    def fail(pred, values, leaves):
-        shapes = tuple(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves)
+    def fail(pred, values):
         return jax.pure_callback(
             functools.partial(_host_check, static),
-            shapes,
+            jax.ShapeDtypeStruct((), jnp.bool_),
             pred,
             values,
-            leaves,
             vmap_method="broadcast_all",
         )
 
-    def ok(pred, values, leaves):
-        del pred, values
-        return tuple(leaves)
+    def ok(pred, values):
+        del values
+        return jnp.zeros_like(pred)
 
-    return lax.cond(any_failed, fail, ok, jnp.any(pred), values, tuple(leaves))
+    failed = lax.cond(any_failed, fail, ok, jnp.any(pred), values)
+    # The leaves never enter the branch (a sharded `x` would be gathered to the device
+    # that runs the callback). The check's result (always False: the callback raises
+    # instead) selects the first leaf instead, so the check stays alive as long as the
+    # returned value is used; the select fuses with the leaf's producer.
+    first, *rest = leaves
+    fill = jnp.nan if jnp.issubdtype(first.dtype, jnp.inexact) else 0
+    failed = failed.reshape(failed.shape + (1,) * (first.ndim - failed.ndim))
+    return (jnp.where(failed, jnp.asarray(fill, first.dtype), first), *rest)
 
 
 @_checked.defjvp
