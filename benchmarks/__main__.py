@@ -57,6 +57,11 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
         "vmap, jacfwd, hessian, compile, RHS evals, error; float32 and float64)",
         {m: ["-m", "benchmarks.pendulum", f"--{m}"] for m in ("quick", "full")},
     ),
+    "deq_memory": (
+        "training-step memory and time: DEQ implicit vs unrolled (N iterations), "
+        "NeuralODE vs diffrax (both adjoints)",
+        {m: ["-m", "benchmarks.deq_memory", f"--{m}"] for m in ("quick", "full")},
+    ),
     "transformations": (
         "every solver method under every transformation, float64, vs closed forms (ok/FAIL)",
         {

@@ -129,6 +129,34 @@ def _odeint_van_der_pol():
     return solve, (jnp.array([2.0, 0.0]), jnp.asarray(20.0))
 
 
+def _deq_tanh():
+    import equinox as eqx
+    import jax
+
+    from solvers.nn import DEQ
+
+    class TanhCell(eqx.Module):
+        W: jax.Array
+
+        def __call__(self, z, x):
+            return jnp.tanh(self.W @ z + x)
+
+    def deq(x, W):
+        # z* = tanh(W z* + x): the layer's default Anderson forward, GMRES adjoint
+        return DEQ(TanhCell(W), z_shape=x.shape, rtol=1e-13, atol=1e-13)(x)
+
+    def unrolled(x, W):
+        # ||W|| = 0.4, so 120 plain iterations from zero converge to rounding, and
+        # autodiff through them is an independent reference (to every order)
+        return jax.lax.fori_loop(0, 120, lambda _, z: jnp.tanh(W @ z + x), jnp.zeros_like(x))
+
+    rng = np.random.default_rng(4)
+    M = rng.standard_normal((3, 3))
+    W = jnp.asarray(0.4 * M / np.linalg.norm(M, 2))
+    x = jnp.asarray(rng.standard_normal(3))
+    return deq, (x, W), unrolled
+
+
 def problems() -> list[Problem]:
     """The solvers' gradient-check problems (the `implicitdiff.gradcheck` entry point)."""
     return [
@@ -141,6 +169,11 @@ def problems() -> list[Problem]:
             "fixed-point-anderson-cos",
             _anderson_cos,
             description="solvers.fixed_point(method='anderson'): x = cos(a x)",
+        ),
+        Problem(
+            "deq-tanh",
+            _deq_tanh,
+            description="solvers.nn.DEQ: z = tanh(W z + x), d/dx and d/dW vs unrolled iteration",
         ),
         Problem(
             "root-newton-system",
