@@ -13,11 +13,15 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROOT", "RESULTS", "log", "parse_args", "run_workers", "write_report"]
+from ._env import cpus, loadavg
+
+__all__ = ["ROOT", "RESULTS", "log", "main", "parse_args", "run_workers", "write_report"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -90,3 +94,43 @@ def write_report(name: str, report: str, plot: Callable[[Path], bool]) -> None:
     if plot(png):
         written.append(png)
     log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in written))
+
+
+def main(
+    name: str,
+    argv: list[str] | None,
+    *,
+    description: str,
+    dtypes: Sequence[str],
+    quick_help: str,
+    check_help: str,
+    run_worker: Callable[[str, str], Any],
+    load: Callable[[dict[str, Any]], Any],
+    render: Callable[..., str],
+    plot: Callable[[list[Any], Path], bool],
+    failed: Callable[[list[Any]], bool],
+) -> int:
+    """The whole command line of a per-dtype benchmark `benchmarks.<name>`.
+
+    In a worker process, `run_worker(dtype, mode)` measures one dtype and its result
+    (a dataclass) goes to the JSON file. In the parent, each dtype's JSON result is
+    rebuilt by `load`, `render(results, mode, seconds, (load_before, load_after))`
+    makes the report, and with `--check` the exit status is 1 when `failed(results)`.
+    """
+    opts = parse_args(description, argv, dtypes, quick_help=quick_help, check_help=check_help)
+    if opts.worker:  # one dtype, in this process; results as JSON
+        result = run_worker(opts.worker, opts.mode)
+        Path(opts.json).write_text(json.dumps(asdict(result)))
+        return 0
+
+    start, load0 = time.perf_counter(), loadavg()
+    log(f"{name} benchmark (--{opts.mode}), dtypes {opts.dtypes}, {cpus()}")
+    raw = run_workers(f"benchmarks.{name}", opts.dtypes, opts.mode)
+    if raw is None:
+        return 1
+    results = [load(d) for d in raw]
+    report = render(results, opts.mode, time.perf_counter() - start, (load0, loadavg()))
+    write_report(name, report, lambda png: plot(results, png))
+    if opts.check:
+        return 1 if failed(results) else 0
+    return 0

@@ -62,22 +62,22 @@ Usage::
 from __future__ import annotations
 
 import gc
-import json
 import platform
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._env import cpus, loadavg, peer_versions
-from ._workers import ROOT, log, parse_args, run_workers, write_report
+from ._env import cpus, peer_versions
+from ._workers import ROOT, log
+from ._workers import main as run_main
 
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
@@ -761,33 +761,31 @@ def plot(results: list[DtypeResult], path: Path) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _failed(results: list[DtypeResult]) -> bool:
+    verdicts = [goals(r) for r in results]
+    missed = not all(v.call_ok and v.vmap_ok and v.compile_ok for v in verdicts)
+    wrong = any(row.ok is False or row.error for r in results for row in r.rows)
+    return missed or wrong
+
+
+def _load(d: dict[str, Any]) -> DtypeResult:
+    return DtypeResult(**dict(d, rows=[Row(**r) for r in d["rows"]]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(
-        __doc__.splitlines()[0],
+    return run_main(
+        "newton_sqrt",
         argv,
-        DTYPES,
+        description=__doc__.splitlines()[0],
+        dtypes=DTYPES,
         quick_help="fewer repeats: about a minute on 2 CPU cores",
         check_help="exit with status 1 when a goal is missed or a result is outside the tolerance",
+        run_worker=run_worker,
+        load=_load,
+        render=render,
+        plot=plot,
+        failed=_failed,
     )
-    if opts.worker:  # one dtype, in this process; results as JSON
-        result = run_worker(opts.worker, opts.mode)
-        Path(opts.json).write_text(json.dumps(asdict(result)))
-        return 0
-
-    start, load0 = time.perf_counter(), loadavg()
-    log(f"newton_sqrt benchmark (--{opts.mode}), dtypes {opts.dtypes}, {cpus()}")
-    raw = run_workers("benchmarks.newton_sqrt", opts.dtypes, opts.mode)
-    if raw is None:
-        return 1
-    results = [DtypeResult(**dict(d, rows=[Row(**r) for r in d["rows"]])) for d in raw]
-    report = render(results, opts.mode, time.perf_counter() - start, (load0, loadavg()))
-    write_report("newton_sqrt", report, lambda png: plot(results, png))
-    if opts.check:
-        verdicts = [goals(r) for r in results]
-        missed = not all(v.call_ok and v.vmap_ok and v.compile_ok for v in verdicts)
-        wrong = any(row.ok is False or row.error for r in results for row in r.rows)
-        return 1 if missed or wrong else 0
-    return 0
 
 
 if __name__ == "__main__":

@@ -63,21 +63,21 @@ Usage::
 from __future__ import annotations
 
 import gc
-import json
 import math
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._env import cpus, loadavg, peer_versions
-from ._workers import ROOT, log, parse_args, run_workers, write_report
+from ._env import cpus, peer_versions
+from ._workers import ROOT, log
+from ._workers import main as run_main
 
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
@@ -936,32 +936,30 @@ def plot(results: list[DtypeResult], path: Path) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _failed(results: list[DtypeResult]) -> bool:
+    missed = not all(goal.ok for r in results for goal in goals(r))
+    broken = any(row.errors for r in results for row in r.rows if row.kind == "ours")
+    return missed or broken
+
+
+def _load(d: dict[str, Any]) -> DtypeResult:
+    return DtypeResult(**dict(d, rows=[Row(**r) for r in d["rows"]]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(
-        __doc__.splitlines()[0],
+    return run_main(
+        "pendulum",
         argv,
-        DTYPES,
+        description=__doc__.splitlines()[0],
+        dtypes=DTYPES,
         quick_help="few repeats: under ~2 minutes on 2 CPU cores",
         check_help="exit with status 1 when a goal is missed or a row of ours failed",
+        run_worker=run_worker,
+        load=_load,
+        render=render,
+        plot=plot,
+        failed=_failed,
     )
-    if opts.worker:  # one dtype, in this process; results as JSON
-        result = run_worker(opts.worker, opts.mode)
-        Path(opts.json).write_text(json.dumps(asdict(result)))
-        return 0
-
-    start, load0 = time.perf_counter(), loadavg()
-    log(f"pendulum benchmark (--{opts.mode}), dtypes {opts.dtypes}, {cpus()}")
-    raw = run_workers("benchmarks.pendulum", opts.dtypes, opts.mode)
-    if raw is None:
-        return 1
-    results = [DtypeResult(**dict(d, rows=[Row(**r) for r in d["rows"]])) for d in raw]
-    report = render(results, opts.mode, time.perf_counter() - start, (load0, loadavg()))
-    write_report("pendulum", report, lambda png: plot(results, png))
-    if opts.check:
-        missed = not all(goal.ok for r in results for goal in goals(r))
-        broken = any(row.errors for r in results for row in r.rows if row.kind == "ours")
-        return 1 if missed or broken else 0
-    return 0
 
 
 if __name__ == "__main__":

@@ -46,6 +46,30 @@ def _initial(shape: tuple[int, ...], z0: Any, x: Any, params: Any) -> Any:
     return jnp.zeros(shape, dtype)
 
 
+def _solve_for_z(solver, layer, module, x, z0, return_info):
+    """`solver(fn, z0, params, x, ...)` with `fn(z, params, x) = module(z, x)` and the
+    layer's options: the shared call of `RootLayer` (`root`) and `ArgminLayer`
+    (`minimize`), whose keyword arguments are the same."""
+    params, static = _split(module)
+
+    def fn(z, p, x):
+        return eqx.combine(p, static)(z, x)
+
+    return solver(
+        fn,
+        _initial(layer.z_shape, z0, x, params),
+        params,
+        x,
+        method=layer.method,
+        rtol=layer.rtol,
+        atol=layer.atol,
+        max_steps=layer.max_steps,
+        linear_solver=layer.linear_solver,
+        throw=layer.throw,
+        return_info=return_info,
+    )
+
+
 class DEQ(eqx.Module):
     """A deep-equilibrium layer: the output is the fixed point `z* = cell(z*, x)`.
 
@@ -233,24 +257,7 @@ class RootLayer(eqx.Module):
 
     def __call__(self, x: Any, z0: Any = None, *, return_info: bool = False) -> Any:
         """The root `z*` for the input `x`, from `z0` (default zeros)."""
-        params, static = _split(self.residual)
-
-        def g(z, p, x):
-            return eqx.combine(p, static)(z, x)
-
-        return root(
-            g,
-            _initial(self.z_shape, z0, x, params),
-            params,
-            x,
-            method=self.method,
-            rtol=self.rtol,
-            atol=self.atol,
-            max_steps=self.max_steps,
-            linear_solver=self.linear_solver,
-            throw=self.throw,
-            return_info=return_info,
-        )
+        return _solve_for_z(root, self, self.residual, x, z0, return_info)
 
 
 class ArgminLayer(eqx.Module):
@@ -299,21 +306,4 @@ class ArgminLayer(eqx.Module):
 
     def __call__(self, x: Any, z0: Any = None, *, return_info: bool = False) -> Any:
         """The minimiser `z*` for the input `x`, from `z0` (default zeros)."""
-        params, static = _split(self.objective)
-
-        def fun(z, p, x):
-            return eqx.combine(p, static)(z, x)
-
-        return minimize(
-            fun,
-            _initial(self.z_shape, z0, x, params),
-            params,
-            x,
-            method=self.method,
-            rtol=self.rtol,
-            atol=self.atol,
-            max_steps=self.max_steps,
-            linear_solver=self.linear_solver,
-            throw=self.throw,
-            return_info=return_info,
-        )
+        return _solve_for_z(minimize, self, self.objective, x, z0, return_info)

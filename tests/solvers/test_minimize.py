@@ -12,6 +12,8 @@ import scipy.optimize
 from implicitdiff import check_grads, linear_solve
 from solvers import MAX_STEPS, NONFINITE, SUCCESS, minimize
 
+from ._transforms import transform_table
+
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 # "optax.sgd": an optax transformation; on exp(x) - a x (Hessian a) it contracts for a < 6.6
@@ -197,31 +199,7 @@ D1 = lambda a: 1.0 / a
 D2 = lambda a: -1.0 / a**2
 
 
-def _scan_grad(f):
-    def total(a):
-        return jax.lax.scan(lambda c, a: (c + f(a), None), 0.0, a)[0]
-
-    return jax.grad(total)
-
-
-TRANSFORMS = {
-    # name: (transform of a scalar function, expected, point)
-    "grad": (lambda f: jax.grad(f), D1, A),
-    "jvp": (lambda f: lambda a: jax.jvp(f, (a,), (jnp.ones_like(a),))[1], D1, A),
-    "jacfwd": (lambda f: jax.jacfwd(f), D1, A),
-    "jacrev": (lambda f: jax.jacrev(f), D1, A),
-    "hessian": (lambda f: jax.hessian(f), D2, A),
-    "grad(grad)": (lambda f: jax.grad(jax.grad(f)), D2, A),
-    "jacfwd(grad)": (lambda f: jax.jacfwd(jax.grad(f)), D2, A),
-    "jit(grad)": (lambda f: jax.jit(jax.grad(f)), D1, A),
-    "linearize": (lambda f: lambda a: jax.linearize(f, a)[1](jnp.ones_like(a)), D1, A),
-    "checkpoint": (lambda f: jax.grad(jax.checkpoint(f)), D1, A),
-    "vmap": (lambda f: jax.vmap(f), X, AS),
-    "vmap(grad)": (lambda f: jax.vmap(jax.grad(f)), D1, AS),
-    "grad(vmap)": (lambda f: jax.grad(lambda a: jax.vmap(f)(a).sum()), D1, AS),
-    "jit(vmap(grad))": (lambda f: jax.jit(jax.vmap(jax.grad(f))), D1, AS),
-    "scan(grad)": (_scan_grad, D1, AS),
-}
+TRANSFORMS = transform_table(X, D1, D2, A, AS)
 
 
 # L-BFGS (with its zoom line search) is slow to compile: these run in the slow CI step.

@@ -11,6 +11,8 @@ import scipy.optimize
 from implicitdiff import check_grads, linear_solve
 from solvers import BAD_BRACKET, MAX_STEPS, NONFINITE, SUCCESS, root
 
+from ._transforms import transform_table
+
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 METHODS = ["newton", "chord", "broyden", "bisection"]
@@ -154,31 +156,7 @@ D1 = lambda a: a ** (-2 / 3) / 3
 D2 = lambda a: -2 / 9 * a ** (-5 / 3)
 
 
-def _scan_grad(f):
-    def total(a):
-        return jax.lax.scan(lambda c, a: (c + f(a), None), 0.0, a)[0]
-
-    return jax.grad(total)
-
-
-TRANSFORMS = {
-    # name: (transform of a scalar function, expected, point)
-    "grad": (lambda f: jax.grad(f), D1, A),
-    "jvp": (lambda f: lambda a: jax.jvp(f, (a,), (jnp.ones_like(a),))[1], D1, A),
-    "jacfwd": (lambda f: jax.jacfwd(f), D1, A),
-    "jacrev": (lambda f: jax.jacrev(f), D1, A),
-    "hessian": (lambda f: jax.hessian(f), D2, A),
-    "grad(grad)": (lambda f: jax.grad(jax.grad(f)), D2, A),
-    "jacfwd(grad)": (lambda f: jax.jacfwd(jax.grad(f)), D2, A),
-    "jit(grad)": (lambda f: jax.jit(jax.grad(f)), D1, A),
-    "linearize": (lambda f: lambda a: jax.linearize(f, a)[1](jnp.ones_like(a)), D1, A),
-    "checkpoint": (lambda f: jax.grad(jax.checkpoint(f)), D1, A),
-    "vmap": (lambda f: jax.vmap(f), X, AS),
-    "vmap(grad)": (lambda f: jax.vmap(jax.grad(f)), D1, AS),
-    "grad(vmap)": (lambda f: jax.grad(lambda a: jax.vmap(f)(a).sum()), D1, AS),
-    "jit(vmap(grad))": (lambda f: jax.jit(jax.vmap(jax.grad(f))), D1, AS),
-    "scan(grad)": (_scan_grad, D1, AS),
-}
+TRANSFORMS = transform_table(X, D1, D2, A, AS)
 
 
 @pytest.mark.parametrize("method", METHODS)
