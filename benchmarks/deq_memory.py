@@ -19,7 +19,7 @@ rotation. Ours: `solvers.nn.NeuralODE(method="tsit5", adjoint="backsolve" |
 SaveAt(ts=ts), adjoint=BacksolveAdjoint() | RecursiveCheckpointAdjoint())`.
 
 Measured per method: the compile time (trace+lower plus XLA compile), the median time
-of one compiled step (methods interleaved, `benchmarks.pendulum._interleaved`), and the
+of one compiled step (methods interleaved, `benchmarks._timing.interleaved`), and the
 peak temporary memory XLA assigns to the compiled step
 (`memory_analysis().temp_size_in_bytes`). Goals: the implicit DEQ step's memory flat
 in N; our NeuralODE step at most 0.5x the time of diffrax's with the matching adjoint.
@@ -48,9 +48,10 @@ import numpy as np
 from jax import lax
 
 from ._env import cpus, loadavg
+from ._timing import interleaved
 from ._workers import ROOT, log, write_report
 from .implicit_vs_unrolled import FLAT_MEMORY, _mib, _ms
-from .pendulum import _describe, _interleaved
+from .pendulum import _describe
 
 try:
     from solvers.nn import DEQ, NeuralODE
@@ -197,7 +198,7 @@ def deq_rows(s: dict[str, Any]) -> list[Row]:
                     f"      {name:<9} compiled in {row.compile_s:.1f} s, "
                     f"temp {_mib(row.temp_bytes)} MiB"
                 )
-        for name, t in _interleaved(fns, s["rounds"], s["block"], s["budget"]).items():
+        for name, t in interleaved(fns, s["rounds"], s["block"], s["budget"]).items():
             cells[name].run_s = t
         if "unrolled" in grads and "implicit" in grads:
             cells["implicit"].rel_diff = _rel_diff(grads["implicit"], grads["unrolled"])
@@ -278,7 +279,7 @@ def node_rows(s: dict[str, Any]) -> list[Row]:
         if fn is not None:
             fns[name], grads[name] = fn, grad
             log(f"      compiled in {row.compile_s:.1f} s, temp {_mib(row.temp_bytes)} MiB")
-    for name, t in _interleaved(fns, s["rounds"], s["block"], s["budget"]).items():
+    for name, t in interleaved(fns, s["rounds"], s["block"], s["budget"]).items():
         rows[name].run_s = t
     ref = grads.get("diffrax (RecursiveCheckpoint)", grads.get("ours (checkpoint)"))
     for name, g in grads.items():

@@ -78,6 +78,7 @@ import numpy as np
 from jax import lax
 
 from ._env import cpus, loadavg, peer_versions
+from ._timing import rotated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -373,7 +374,7 @@ def measure_cell(cell: Cell, methods: list[Method], s: dict[str, Any]) -> None:
     gc.disable()
     try:
         for r in range(s["rounds"]):
-            for name in _rotated(names, r):
+            for name in rotated(names, r):
                 t0 = perf_counter()
                 block(runnable[name](theta))
                 samples[name].append(perf_counter() - t0)
@@ -386,11 +387,6 @@ def measure_cell(cell: Cell, methods: list[Method], s: dict[str, Any]) -> None:
             cell.forward = statistics.median(xs)
         else:
             cell.results[name].run = statistics.median(xs)
-
-
-def _rotated(xs: list[str], k: int) -> list[str]:
-    k %= len(xs)
-    return xs[k:] + xs[:k]
 
 
 # ---------------------------------------------------------------------------

@@ -61,7 +61,6 @@ Usage::
 
 from __future__ import annotations
 
-import gc
 import platform
 import statistics
 import sys
@@ -76,6 +75,7 @@ from typing import Any
 import numpy as np
 
 from ._env import cpus, peer_versions
+from ._timing import div, fmt, interleaved, ratio, rotated, sci
 from ._workers import ROOT, log
 from ._workers import main as run_main
 
@@ -414,11 +414,6 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-def _rotated(xs: list[str], k: int) -> list[str]:
-    k %= len(xs)
-    return xs[k:] + xs[:k]
-
-
 def run_worker(dtype: str, mode: str) -> DtypeResult:
     import jax
 
@@ -445,7 +440,7 @@ def run_worker(dtype: str, mode: str) -> DtypeResult:
     log(f"[{dtype}] compile times of jit(grad) ({s['compile_reps']} fresh compiles each) ...")
     samples: dict[str, list[tuple[float, float]]] = {n: [] for n in alive}
     for rep in range(s["compile_reps"]):
-        for name in _rotated(list(alive), rep):
+        for name in rotated(list(alive), rep):
             try:
                 jax.clear_caches()
                 fn = jax.jit(jax.grad(by_name[name].build()))
@@ -484,7 +479,7 @@ def run_worker(dtype: str, mode: str) -> DtypeResult:
                 fns[name] = f
             except Exception as e:
                 fail(name, e)
-        times = _interleaved(fns, (a0,), s["call_rounds"], s["call_block"])
+        times = interleaved(fns, s["call_rounds"], s["call_block"], args=(a0,), warmup=False)
         for name, t in times.items():
             rows[name].per_call_us[tname] = 1e6 * t
 
@@ -510,44 +505,12 @@ def run_worker(dtype: str, mode: str) -> DtypeResult:
         except Exception as e:
             fail(name, e)
     log(f"[{dtype}] jit(vmap(value_and_grad)): {s['vmap_rounds']} rounds of one call each ...")
-    times = _interleaved(fns, (batch,), s["vmap_rounds"], 1, budget=s["vmap_budget"])
+    times = interleaved(
+        fns, s["vmap_rounds"], 1, budget=s["vmap_budget"], args=(batch,), warmup=False
+    )
     for name, t in times.items():
         rows[name].vmap_ms = 1e3 * t
     return DtypeResult(dtype, TOL[dtype], list(rows.values()), time.perf_counter() - start)
-
-
-def _interleaved(
-    fns: dict[str, Any],
-    args: tuple[Any, ...],
-    rounds: int,
-    block: int,
-    budget: float = float("inf"),
-) -> dict[str, float]:
-    """Median seconds per call; implementations take turns in blocks of `block` calls,
-    starting with a different one each round, so that background load hits all alike.
-    An implementation that has taken `budget` seconds is not called again."""
-    import jax
-
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    perf_counter, block_until_ready = time.perf_counter, jax.block_until_ready
-    gc.collect()
-    gc.disable()
-    try:
-        for r in range(rounds):
-            for name in _rotated(names, r):
-                f, out = fns[name], samples[name]
-                if out and sum(out) > budget:
-                    continue
-                for _ in range(block):
-                    t0 = perf_counter()
-                    block_until_ready(f(*args))
-                    out.append(perf_counter() - t0)
-            if r % 10 == 9:
-                gc.collect()
-    finally:
-        gc.enable()
-    return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -598,12 +561,6 @@ def goals(result: DtypeResult) -> Goals:
     return Goals(call, vmap, vmap_peer, comp, comp_peer)
 
 
-def _fmt(v: float | None, digits: int = 3) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:.{digits}g}" if abs(v) < 10**digits else f"{v:.0f}"
-
-
 def render_dtype(result: DtypeResult) -> str:
     head = (
         "| implementation | forward (us) | grad (us) | grad(grad) (us) "
@@ -618,31 +575,31 @@ def render_dtype(result: DtypeResult) -> str:
         ok = "n/a" if r.ok is None else ("yes" if r.ok else "NO")
         lines.append(
             f"| {r.name} "
-            + "".join(f"| {_fmt(r.per_call_us.get(t))} " for t in TRANSFORMS)
-            + f"| {_fmt(r.vmap_ms)} | {_fmt(r.trace_lower_ms)} | {_fmt(r.xla_compile_ms)} "
-            f"| {_sci(r.err_value)} | {_sci(r.err_grad)} | {ok} |"
+            + "".join(f"| {fmt(r.per_call_us.get(t))} " for t in TRANSFORMS)
+            + f"| {fmt(r.vmap_ms)} | {fmt(r.trace_lower_ms)} | {fmt(r.xla_compile_ms)} "
+            f"| {sci(r.err_value)} | {sci(r.err_grad)} | {ok} |"
         )
     g = goals(result)
     verdict = lambda ok: "PASS" if ok else "MISS"
-    call = ", ".join(f"{t} {_ratio(g.call[t])}" for t in TRANSFORMS)
+    call = ", ".join(f"{t} {ratio(g.call[t])}" for t in TRANSFORMS)
     rows = {r.name: r for r in result.rows}
     ours = rows.get(OURS)
     goal_lines = [
         f"- (a) {OURS} per call vs {CUSTOM_VJP} (<= {CALL_GOAL}x): {call}: "
         f"**{verdict(g.call_ok)}**",
         f"- (b) {OURS} on the batched value_and_grad vs the best peer ({g.vmap_peer}, "
-        f"{_fmt(rows[g.vmap_peer].vmap_ms) if g.vmap_peer else 'n/a'} ms): "
-        f"{_fmt(ours.vmap_ms) if ours else 'n/a'} ms, {_ratio(g.vmap)} "
+        f"{fmt(rows[g.vmap_peer].vmap_ms) if g.vmap_peer else 'n/a'} ms): "
+        f"{fmt(ours.vmap_ms) if ours else 'n/a'} ms, {ratio(g.vmap)} "
         f"(<= {VMAP_GOAL}x): **{verdict(g.vmap_ok)}**",
         f"- (c) {OURS} jit(grad) compile (trace+lower+XLA) vs the best peer "
-        f"({g.compile_peer}, {_fmt(rows[g.compile_peer].compile_ms) if g.compile_peer else 'n/a'}"
-        f" ms): {_fmt(ours.compile_ms) if ours else 'n/a'} ms, {_ratio(g.compile)} "
+        f"({g.compile_peer}, {fmt(rows[g.compile_peer].compile_ms) if g.compile_peer else 'n/a'}"
+        f" ms): {fmt(ours.compile_ms) if ours else 'n/a'} ms, {ratio(g.compile)} "
         f"(<= {COMPILE_GOAL}x): **{verdict(g.compile_ok)}**",
     ]
     unchecked, ref = rows.get(OURS_UNCHECKED), rows.get(CUSTOM_VJP)
     if unchecked and ref:
         ratios = ", ".join(
-            f"{t} {_ratio(_div(unchecked.per_call_us.get(t), ref.per_call_us.get(t)))}"
+            f"{t} {ratio(div(unchecked.per_call_us.get(t), ref.per_call_us.get(t)))}"
             for t in TRANSFORMS
         )
         goal_lines.append(
@@ -671,18 +628,6 @@ def render_dtype(result: DtypeResult) -> str:
             "",
         ]
     )
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _sci(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1e}"
-
-
-def _ratio(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}x"
 
 
 def render(results: list[DtypeResult], mode: str, wall: float, load: tuple[float, float]) -> str:

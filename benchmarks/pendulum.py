@@ -62,7 +62,6 @@ Usage::
 
 from __future__ import annotations
 
-import gc
 import math
 import platform
 import statistics
@@ -76,6 +75,7 @@ from typing import Any
 import numpy as np
 
 from ._env import cpus, peer_versions
+from ._timing import div, fmt, interleaved, ratio, rotated, sci
 from ._workers import ROOT, log
 from ._workers import main as run_main
 
@@ -404,13 +404,6 @@ def _describe(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {text[:limit]}"
 
 
-def _rotated(xs: list[str], k: int) -> list[str]:
-    if not xs:
-        return xs
-    k %= len(xs)
-    return xs[k:] + xs[:k]
-
-
 def run_worker(dtype: str, mode: str) -> DtypeResult:
     import jax
 
@@ -493,7 +486,7 @@ def run_worker(dtype: str, mode: str) -> DtypeResult:
     samples: dict[str, list[tuple[float, float]]] = {n: [] for n in jax_names}
     compiled: dict[str, Any] = {}
     for rep in range(s["compile_reps"]):
-        for name in _rotated(list(samples), rep):
+        for name in rotated(list(samples), rep):
             if "grad" in rows[name].notes:
                 continue
             try:
@@ -560,7 +553,7 @@ def run_worker(dtype: str, mode: str) -> DtypeResult:
                     fns[name] = lambda f=f, args=args: f(*args)
                 except Exception as e:
                     fail(name, measure, e)
-        times = _interleaved(fns, s["rounds"], s["block"], budget=s["budget"])
+        times = interleaved(fns, s["rounds"], s["block"], budget=s["budget"])
         for name, t in times.items():
             rows[name].times_ms[measure] = 1e3 * t
     for name in host_names:
@@ -612,38 +605,6 @@ def _err_t10(ys: Any, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ys[-1] - ref[-1])))
 
 
-def _interleaved(
-    fns: dict[str, Callable[[], Any]], rounds: int, block: int, budget: float = float("inf")
-) -> dict[str, float]:
-    """Median seconds per call; implementations take turns in blocks of `block` calls,
-    starting with a different one each round, so that background load hits all alike.
-    An implementation that has taken `budget` seconds is not called again."""
-    import jax
-
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    perf_counter, block_until_ready = time.perf_counter, jax.block_until_ready
-    for f in fns.values():  # one untimed round in turn first (the first slot ran slow)
-        block_until_ready(f())
-    gc.collect()
-    gc.disable()
-    try:
-        for r in range(rounds):
-            for name in _rotated(names, r):
-                f, out = fns[name], samples[name]
-                if out and sum(out) > budget:
-                    continue
-                for _ in range(block):
-                    t0 = perf_counter()
-                    block_until_ready(f())
-                    out.append(perf_counter() - t0)
-            if r % 10 == 9:
-                gc.collect()
-    finally:
-        gc.enable()
-    return {name: statistics.median(xs) for name, xs in samples.items() if xs}
-
-
 # ---------------------------------------------------------------------------
 # Report.
 
@@ -652,10 +613,6 @@ def _interleaved(
 class Goal:
     text: str
     ok: bool
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def goals(result: DtypeResult) -> list[Goal]:
@@ -672,14 +629,14 @@ def goals(result: DtypeResult) -> list[Goal]:
     def compare(label, get, ref_value, ref_name, limit, unit="ms"):
         mine = get(rows[OURS]) if OURS in rows else None
         best, best_name = best_of_ours(get)
-        r_def, r_best = _div(mine, ref_value), _div(best, ref_value)
+        r_def, r_best = div(mine, ref_value), div(best, ref_value)
         ok = r_def is not None and r_def <= limit
         ok_best = r_best is not None and r_best <= limit
         out.append(
             Goal(
-                f"{label}: {OURS} {_fmt(mine)} {unit} vs {ref_name} {_fmt(ref_value)} {unit}: "
-                f"{_ratio(r_def)} (<= {limit}x): **{_verdict(ok)}**; best of ours "
-                f"({best_name or 'n/a'}) {_ratio(r_best)}: **{_verdict(ok_best)}**",
+                f"{label}: {OURS} {fmt(mine)} {unit} vs {ref_name} {fmt(ref_value)} {unit}: "
+                f"{ratio(r_def)} (<= {limit}x): **{_verdict(ok)}**; best of ours "
+                f"({best_name or 'n/a'}) {ratio(r_best)}: **{_verdict(ok_best)}**",
                 ok,
             )
         )
@@ -718,10 +675,10 @@ def goals(result: DtypeResult) -> list[Goal]:
     )
     out.append(
         Goal(
-            f"(e) error at t = 10: {OURS} {_sci(mine)} vs {JAX_ODEINT} {_sci(theirs)} "
-            f"({_ratio(_div(mine, theirs))}; <= {ERROR_GOAL:g}x, or <= tol {result.tol:g}): "
+            f"(e) error at t = 10: {OURS} {sci(mine)} vs {JAX_ODEINT} {sci(theirs)} "
+            f"({ratio(div(mine, theirs))}; <= {ERROR_GOAL:g}x, or <= tol {result.tol:g}): "
             f"**{_verdict(ok)}**; ours by row: "
-            + ", ".join(f"{r.name.removeprefix('ours ')} {_sci(r.err_t10)}" for r in ours_rows),
+            + ", ".join(f"{r.name.removeprefix('ours ')} {sci(r.err_t10)}" for r in ours_rows),
             ok,
         )
     )
@@ -744,23 +701,9 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def _fmt(v: float | None, digits: int = 3) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:.{digits}g}" if abs(v) < 10**digits else f"{v:.0f}"
-
-
-def _sci(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1e}"
-
-
-def _ratio(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}x"
-
-
 def _cell(row: Row, measure: str) -> str:
     if measure in row.times_ms:
-        return _fmt(row.times_ms[measure])
+        return fmt(row.times_ms[measure])
     note = row.notes.get(measure)
     if note is None:
         return "n/a"
@@ -784,9 +727,9 @@ def render_dtype(result: DtypeResult) -> str:
         lines.append(
             f"| {r.name} "
             + "".join(f"| {_cell(r, t)} " for t in MEASURES)
-            + f"| {_fmt(r.trace_lower_ms)} | {_fmt(r.xla_compile_ms)} | {r.steps or 'n/a'} "
+            + f"| {fmt(r.trace_lower_ms)} | {fmt(r.xla_compile_ms)} | {r.steps or 'n/a'} "
             f"| {r.fevals_forward if r.fevals_forward is not None else 'n/a'} "
-            f"| {r.fevals_grad if r.fevals_grad is not None else 'n/a'} | {_sci(r.err_t10)} |"
+            f"| {r.fevals_grad if r.fevals_grad is not None else 'n/a'} | {sci(r.err_t10)} |"
         )
     failed = [f"{r.name}: {e}" for r in result.rows for e in r.errors]
     settings = [f"- {r.name}: {r.settings}" for r in result.rows]
