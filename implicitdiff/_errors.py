@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -121,16 +121,41 @@ def _max_over_batch_rule(axis_size, in_batched, x):
     return max_over_batch(x), False
 
 
-def _format_message(msg: str, names: tuple[str, ...], pred: np.ndarray, values) -> str:
-    """Build the error text on the host; `pred` and `values` share a (possibly empty) batch
-    shape, and the values of the first failing batch element are substituted."""
-    pred = np.asarray(pred)
-    index = tuple(int(i) for i in np.argwhere(pred)[0]) if pred.ndim else ()
+@jax.custom_batching.custom_vmap
+def _first_failure(pred, values, index, sizes):
+    """Identity on one element's verdict `pred` (a scalar bool) and message `values`.
+
+    Under `vmap` it keeps the first failing batch element only: its verdict and values,
+    its position prepended to `index` and the batch size to `sizes`. So what reaches the
+    host is a few scalars, never anything the size of the batch (which, sharded, would
+    have to be gathered to one device).
+    """
+    return pred, values, index, sizes
+
+
+@_first_failure.def_vmap
+def _first_failure_rule(axis_size, in_batched, pred, values, index, sizes):
+    def batched(v, b):
+        return v if b else jnp.broadcast_to(v, (axis_size, *jnp.shape(v)))
+
+    pred_b, values_b, index_b, sizes_b = in_batched
+    pred = batched(pred, pred_b)
+    i = jnp.argmax(pred)  # the first True (0 when none is)
+    values = tuple(batched(v, b)[i] for v, b in zip(values, values_b))
+    index = jnp.concatenate([i[None].astype(jnp.int32), batched(index, index_b)[i]])
+    sizes = jnp.concatenate([jnp.array([axis_size], jnp.int32), batched(sizes, sizes_b)[i]])
+    # Calling ourselves again lets an enclosing vmap (if any) pick along its own axis.
+    out = _first_failure(pred[i], values, index, sizes)
+    return out, jax.tree_util.tree_map(lambda _: False, out)
+
+
+def _format_message(msg: str, names: tuple[str, ...], values, index=(), sizes=()) -> str:
+    """Build the error text on the host from the failing element's `values` (and, under
+    `vmap`, its `index` in a batch of shape `sizes`)."""
     if names:
         picked = {}
         for name, value in zip(names, values):
             value = np.asarray(value)
-            value = value[index] if pred.ndim else value
             picked[name] = value.item() if value.size == 1 else value
         try:
             text = msg.format(**picked)
@@ -138,52 +163,84 @@ def _format_message(msg: str, names: tuple[str, ...], pred: np.ndarray, values) 
             text = f"{msg} (values: {picked})"
     else:
         text = msg
-    if pred.ndim:
-        text += f"\n(first failing element of a vmap batch of shape {pred.shape}: {index})"
+    if len(sizes):
+        shape = tuple(int(n) for n in sizes)
+        where = tuple(int(i) for i in index)
+        text += f"\n(first failing element of a vmap batch of shape {shape}: {where})"
     return text
 
 
-def _host_check(static, pred, values):
+def _host_check(static, pred, values, index, sizes):
     msg, names = static
-    pred = np.asarray(pred)
     if np.any(pred):
-        raise ImplicitDiffRuntimeError(_format_message(msg, names, pred, values))
-    return np.zeros(pred.shape, np.bool_)
+        raise ImplicitDiffRuntimeError(_format_message(msg, names, values, index, sizes))
+    return np.zeros((), np.bool_)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _checked(static, pred, values, leaves):
-    any_failed = any_over_batch(reduce_any(pred))
+def _checked(static, gate, operands, leaves):
+    msg, names, details = static
 
-    def fail(pred, values):
+    def fail(operands):
+        # Only here, on failure, is the (possibly costly) verdict per element computed.
+        pred, values = details(*operands)
+        no_index = jnp.zeros((0,), jnp.int32)
+        picked = _first_failure(jnp.any(pred), tuple(values), no_index, no_index)
         return jax.pure_callback(
-            functools.partial(_host_check, static),
+            functools.partial(_host_check, (msg, names)),
             jax.ShapeDtypeStruct((), jnp.bool_),
-            pred,
-            values,
-            vmap_method="broadcast_all",
+            *picked,
+            vmap_method="sequential",  # never batched: `_first_failure` took one element
         )
 
-    def ok(pred, values):
-        del values
-        return jnp.zeros_like(pred)
+    def ok(operands):
+        del operands
+        return jnp.zeros((), jnp.bool_)
 
-    failed = lax.cond(any_failed, fail, ok, jnp.any(pred), values)
+    failed = lax.cond(gate, fail, ok, operands)
     # The leaves never enter the branch (a sharded `x` would be gathered to the device
     # that runs the callback). The check's result (always False: the callback raises
     # instead) selects the first leaf instead, so the check stays alive as long as the
     # returned value is used; the select fuses with the leaf's producer.
     first, *rest = leaves
     fill = jnp.nan if jnp.issubdtype(first.dtype, jnp.inexact) else 0
-    failed = failed.reshape(failed.shape + (1,) * (first.ndim - failed.ndim))
     return (jnp.where(failed, jnp.asarray(fill, first.dtype), first), *rest)
 
 
 @_checked.defjvp
 def _checked_jvp(static, primals, tangents):
-    pred, values, leaves = primals
+    gate, operands, leaves = primals
     _, _, leaf_dots = tangents
-    return _checked(static, pred, values, leaves), tuple(leaf_dots)
+    return _checked(static, gate, operands, leaves), tuple(leaf_dots)
+
+
+def _given(pred, values):
+    return pred, values
+
+
+def check_lazily(
+    x: Any,
+    maybe_failed: jax.Array,
+    details: Callable[..., tuple[Any, tuple[Any, ...]]],
+    operands: tuple[Any, ...],
+    msg: str,
+    names: tuple[str, ...] = (),
+) -> Any:
+    """`error_if` for a verdict that is costly to compute.
+
+    Returns `x` unchanged. When the cheap scalar `maybe_failed` holds at run time (a
+    false alarm is allowed; it must not be batched, so reduce it with `any_over_batch`),
+    computes `pred, values = details(*operands)` and raises as
+    `error_if(x, pred, msg, values=dict(zip(names, values)))` would. Nothing of `details`
+    runs while `maybe_failed` is False.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if not leaves:
+        raise TypeError("check_lazily: `x` must contain at least one array.")
+    leaves = tuple(jnp.asarray(leaf) for leaf in leaves)
+    static = (msg, tuple(names), details)
+    out = _checked(static, jnp.asarray(maybe_failed), tuple(operands), leaves)
+    return jax.tree_util.tree_unflatten(treedef, list(out))
 
 
 def _is_traced(value: Any) -> bool:
@@ -252,7 +309,7 @@ def error_if(x: Any, pred: Any, msg: str, *, values: Mapping[str, Any] | None = 
         if not pred_np.any():
             return x
         if not any(_is_traced(v) for v in value_list):
-            raise ImplicitDiffRuntimeError(_format_message(msg, names, np.bool_(True), value_list))
+            raise ImplicitDiffRuntimeError(_format_message(msg, names, value_list))
     elif jnp.result_type(pred) != jnp.bool_:
         raise TypeError(
             f"error_if: `pred` must be boolean, got dtype {jnp.result_type(pred)}; "
@@ -267,5 +324,7 @@ def error_if(x: Any, pred: Any, msg: str, *, values: Mapping[str, Any] | None = 
         )
     leaves = tuple(jnp.asarray(leaf) for leaf in leaves)
     value_list = tuple(jnp.asarray(v) for v in value_list)
-    out = _checked((msg, names), jnp.asarray(pred), value_list, leaves)
+    pred = jnp.asarray(pred)
+    gate = any_over_batch(reduce_any(pred))
+    out = _checked((msg, names, _given), gate, (pred, value_list), leaves)
     return jax.tree_util.tree_unflatten(treedef, list(out))

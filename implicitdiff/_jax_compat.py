@@ -33,6 +33,7 @@ import numpy as np
 
 try:  # the internals this module relies on (jax 0.10.x layout)
     from jax._src import api_util as _api_util
+    from jax._src import config as _config
     from jax._src import core as _core
     from jax._src import linear_util as _lu
     from jax._src.ad_util import Zero as _Zero
@@ -338,3 +339,12 @@ def closure_convert(fun: Callable, *example_args: Any) -> tuple[Callable, list[A
         return jax.tree_util.tree_unflatten(out_tree, out)
 
     return converted, hoisted, out_tree
+
+
+def in_checked_shard_map() -> bool:
+    """Whether we are tracing inside `jax.shard_map(..., check_vma=True)`: manual mesh
+    axes, with every value's type recording the axes it varies along."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    manual = getattr(get_mesh(), "manual_axes", ()) if get_mesh is not None else ()
+    check = getattr(_config, "_check_vma", None)
+    return bool(manual) and check is not None and bool(check.value)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from implicitdiff._jax_compat import in_checked_shard_map
+
 __all__ = ["static_int", "static_float", "static_bool", "float_dtype", "returns_like"]
 
 
@@ -35,6 +37,18 @@ def static_float(name: str, arg: str, value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: `{arg}` must be a float, got {value!r}") from None
+
+
+def not_in_checked_shard_map(name: str) -> None:
+    """Refuse, with the fix, to trace inside `shard_map(..., check_vma=True)`."""
+    if in_checked_shard_map():
+        raise NotImplementedError(
+            f"{name} inside `jax.shard_map(..., check_vma=True)` is not supported: its "
+            "loops and derivative rules do not record which mesh axes their values vary "
+            "along. To fix it: pass `check_vma=False` to `jax.shard_map` (the results are "
+            "the same), or shard the batch with `jax.jit` and `NamedSharding` instead; "
+            "see docs/multi-device.md."
+        )
 
 
 def static_bool(name: str, arg: str, value: Any) -> bool:

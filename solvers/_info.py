@@ -60,14 +60,13 @@ class SolveInfo(eqx.Module):
         return self.status == SUCCESS
 
 
-def report(x: Any, info: SolveInfo, *, throw: bool, name: str, max_steps: int) -> Any:
-    """Return `x`; when `throw`, raise at run time if the solve did not converge."""
-    if not throw:
-        return x
+def failure_message(name: str, max_steps: int) -> str:
+    """The run-time error text for a solve that did not converge, a `str.format` template
+    with the fields `status`, `steps` and `residual`."""
     codes = ", ".join(
         f"{code}: {STATUS_NAMES[code]}" for code in (MAX_STEPS, NONFINITE, BAD_BRACKET)
     )
-    msg = (
+    return (
         f"{name} did not converge: status {{status}} ({codes}; max_steps={max_steps}) "
         "after {steps} steps, last residual {residual:.3e}. To fix it: raise `max_steps`, "
         "loosen `rtol`/`atol`, try another `method` (e.g. damping or Anderson acceleration "
@@ -75,10 +74,16 @@ def report(x: Any, info: SolveInfo, *, throw: bool, name: str, max_steps: int) -
         "inputs for NaN. Pass `throw=False` (with `return_info=True`) to get the status "
         "instead."
     )
+
+
+def report(x: Any, info: SolveInfo, *, throw: bool, name: str, max_steps: int) -> Any:
+    """Return `x`; when `throw`, raise at run time if the solve did not converge."""
+    if not throw:
+        return x
     return error_if(
         x,
         info.status != SUCCESS,
-        msg,
+        failure_message(name, max_steps),
         values={"status": info.status, "steps": info.steps, "residual": info.residual},
     )
 

@@ -116,7 +116,8 @@ def stage_polynomials(m: Method) -> np.ndarray:
     fit through more points than the degree recovers the coefficients (to rounding).
     """
     s = m.stages
-    with jax.enable_x64(True):
+    # Computed once, with concrete numbers, even when first asked for inside a `jit`.
+    with jax.ensure_compile_time_eval(), jax.enable_x64(True):
         interp = m.interpolation(
             t0=0.0,
             t1=1.0,

@@ -25,7 +25,7 @@ from jax.flatten_util import ravel_pytree
 from implicitdiff import custom_root, error_if
 from implicitdiff._jax_compat import closure_convert
 
-from ._checks import static_bool
+from ._checks import not_in_checked_shard_map, static_bool
 from ._info import MAX_STEPS, SUCCESS
 from ._ode_loop import EVENT, LoopConfig, integrate
 from ._ode_methods import METHODS
@@ -99,6 +99,7 @@ def odeint_event(
     if not callable(event):
         raise TypeError(f"{name}: `event` must be callable as event(y, t, *args), got {event!r}")
     static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
     if method not in METHODS:
         raise ValueError(f"{name}: `method` must be one of {tuple(METHODS)}, got {method!r}")

@@ -32,19 +32,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from implicitdiff import ImplicitDiffRuntimeError, Primitive, Zero, implicit_diff, linear_solve
-from implicitdiff._errors import any_over_batch, reduce_any
+from implicitdiff import Primitive, Zero, implicit_diff, linear_solve
+from implicitdiff._errors import any_over_batch, check_lazily, reduce_any
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros, vmap_size
 
-from ._checks import float_dtype, returns_like, static_bool, static_float, static_int
+from ._checks import (
+    float_dtype,
+    not_in_checked_shard_map,
+    returns_like,
+    static_bool,
+    static_float,
+    static_int,
+)
 from ._info import (
     MAX_STEPS,
     NONFINITE,
     SUCCESS,
     SolveInfo,
     default_tolerance,
+    failure_message,
     max_norm,
-    report,
 )
 
 __all__ = ["fixed_point"]
@@ -147,6 +154,7 @@ def fixed_point(
     if not 0.0 < damping <= 1.0:
         raise ValueError(f"fixed_point: `damping` must be in (0, 1], got {damping}")
     static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
     if not callable(adjoint) and adjoint not in _ADJOINTS:
         raise ValueError(
@@ -507,72 +515,26 @@ def _failed(x, x_prev, tol):
 
 
 def _check(x, x_prev, steps, tol, failed, cfg):
-    """`x`, raising at run time if `failed` (a verdict reduced over any batch; the host
-    checks again, so a verdict that may be a false alarm will do). Only the verdict is
-    computed on device; the message is built on the host from the iterates."""
-    x_leaves, treedef = jax.tree_util.tree_flatten(x)
-    ndims = tuple(jnp.ndim(leaf) for leaf in x_leaves)
-
-    def on_failure(x, x_prev, steps, tol):
-        leaves = jax.tree_util.tree_leaves(x)
-        shapes = tuple(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves)
-        host = functools.partial(_raise_on_host, cfg, ndims)
-        prev = jax.tree_util.tree_leaves(x_prev)
-        out = jax.pure_callback(host, shapes, leaves, prev, steps, tol, vmap_method="broadcast_all")
-        return jax.tree_util.tree_unflatten(treedef, list(out))
-
-    # Inside the solve (never differentiated), a plain `lax.cond` will do: the verdict
-    # is not batched, so under `vmap` the branch stays a branch.
-    return jax.lax.cond(failed, on_failure, lambda x, *_: x, x, x_prev, steps, tol)
-
-
-def _raise_on_host(cfg, ndims, x, x_prev, steps, tol):
-    """Raise `ImplicitDiffRuntimeError` describing the first failing element (under
-    `vmap` the arrays carry the batch axes in front of each element's own `ndims`)."""
-    x = [np.asarray(u) for u in x]
-    x_prev = [np.asarray(v) for v in x_prev]
-    batch_shape = x[0].shape[: x[0].ndim - ndims[0]]
-
-    def per_element(values):
-        return [v.reshape(batch_shape + (-1,)) for v in values]
-
-    # Scalars, or under vmap one per element (broadcast to the batch shape).
-    rtol, atol = (np.reshape(t, np.shape(t) + (1,)) for t in tol)
-    moving = np.zeros(batch_shape, bool)
-    finite = np.ones(batch_shape, bool)
-    size = np.zeros(batch_shape)
-    for u, v in zip(per_element(x), per_element(x_prev)):
-        d = np.abs(u - v)
-        moving |= np.any(d > atol + rtol * np.abs(u), axis=-1)
-        finite &= np.all(np.isfinite(u), axis=-1)
-        size = np.maximum(size, np.max(d, axis=-1, initial=0.0))
-    status = np.where(finite, np.where(moving, MAX_STEPS, SUCCESS), NONFINITE)
-    bad = status != SUCCESS
-    if not bad.any():  # a false alarm (see `_check`)
-        return tuple(x)
-    index = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.ndim else ()
-    info = SolveInfo(
-        steps=np.broadcast_to(np.asarray(steps), batch_shape)[index],
-        residual=(size / cfg.scale)[index],
-        status=status[index],
-    )
-    where = (
-        f"\n(first failing element of a vmap batch of shape {batch_shape}: {index})"
-        if batch_shape
-        else ""
-    )
+    """`x`, raising at run time if `failed` (a verdict reduced over any batch; a false
+    alarm will do: which elements failed, and why, is worked out only then). Neither `x`
+    nor anything of its size reaches the host, so a sharded `x` stays sharded."""
     if cfg.derivative:
-        raise ImplicitDiffRuntimeError(
+        msg = (
             "fixed_point: the linear solve for the derivative (adjoint='neumann': the "
             "fixed-point iteration run on the linearised map) did not converge: status "
-            f"{info.status} (1: max_steps={cfg.max_steps} reached, 2: non-finite values) "
-            f"after {info.steps} steps, last step {info.residual:.3e}. It converges only "
-            "when `f` contracts at the solution (every eigenvalue of df/dx below 1 in "
-            "modulus). To fix it: pass adjoint='gmres' or adjoint='dense', or raise "
-            "`max_steps`." + where
+            "{status} (1: max_steps reached, 2: non-finite values) after {steps} steps, "
+            "last step {residual:.3e}. It converges only when `f` contracts at the "
+            "solution (every eigenvalue of df/dx below 1 in modulus). To fix it: pass "
+            f"adjoint='gmres' or adjoint='dense', or raise `max_steps` (now {cfg.max_steps})."
         )
-    try:
-        report(x[0], info, throw=True, name="fixed_point", max_steps=cfg.max_steps)
-    except ImplicitDiffRuntimeError as e:
-        raise ImplicitDiffRuntimeError(f"{e}{where}") from None
-    raise ImplicitDiffRuntimeError(f"fixed_point did not converge (status {info.status}){where}")
+    else:
+        msg = failure_message("fixed_point", cfg.max_steps)
+    details = functools.partial(_failure_details, cfg.scale)
+    return check_lazily(
+        x, failed, details, (x, x_prev, steps, tol), msg, ("status", "steps", "residual")
+    )
+
+
+def _failure_details(scale, x, x_prev, steps, tol):
+    info = _info(x, x_prev, steps, tol, scale)
+    return info.status != SUCCESS, (info.status, info.steps, info.residual)

@@ -27,7 +27,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import implicit_diff, linear_solve
 
-from ._checks import float_dtype, static_bool, static_int
+from ._checks import float_dtype, not_in_checked_shard_map, static_bool, static_int
 from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo, max_norm, report
 
 __all__ = ["minimize"]
@@ -116,6 +116,7 @@ def minimize(
         )
     max_steps = static_int(name, "max_steps", max_steps, minimum=1)
     static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
     dtype = float_dtype(name, "x0", x0)
     _check_scalar_objective(fun, x0, args)

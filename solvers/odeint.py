@@ -41,7 +41,7 @@ from implicitdiff import Primitive, Zero, error_if
 from implicitdiff._errors import max_over_batch
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
-from ._checks import static_bool, static_int
+from ._checks import not_in_checked_shard_map, static_bool, static_int
 from ._info import SUCCESS
 from ._ode_loop import LoopConfig, checkpoint_every, integrate, replay_step
 from ._ode_methods import ADAPTIVE, FIXED, METHODS
@@ -170,6 +170,7 @@ def odeint(
     hmax = _positive(name, "hmax", hmax)
     max_steps = static_int(name, "max_steps", max_steps, minimum=1)
     static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
     static_bool(name, "progress", progress)
     static_bool(name, "dense", dense)
@@ -590,17 +591,21 @@ def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
         seg = n_seg - 1 - i
         k0 = seg * every
         m = jnp.clip(steps - k0, 0, every)  # this element's steps in the segment
+        # Only as many steps as the longest element has here, not a whole segment:
+        # a short solve (a few dozen steps against `every = sqrt(max_steps)`) replays
+        # just its own steps.
+        m_max = max_over_batch(m)
 
         def forward(j, ys):
             y1 = step(ys[j], k0 + j, pd)
             return ys.at[j + 1].set(jnp.where(j + 1 < m, y1, ys[j]))
 
         ys = jnp.zeros((every, n), y_cp.dtype).at[0].set(y_cp[seg])
-        ys = jax.lax.fori_loop(0, every - 1, forward, ys)
+        ys = jax.lax.fori_loop(0, m_max - 1, forward, ys)
 
         def back(jj, c):
             a, p_bar, ptr = c
-            j = every - 1 - jj
+            j = m_max - 1 - jj
             k = k0 + j
             active = j < m
             hit = active & (ptr >= 1) & (out_step[ptr] == k + 1)
@@ -612,7 +617,7 @@ def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
             p_bar = jax.tree_util.tree_map(lambda pb, d: jnp.where(active, pb + d, pb), p_bar, dp)
             return a, p_bar, ptr
 
-        return jax.lax.fori_loop(0, every, back, (a, p_bar, ptr))
+        return jax.lax.fori_loop(0, m_max, back, (a, p_bar, ptr))
 
     n_seg = (max_over_batch(steps) + every - 1) // every
     init = (

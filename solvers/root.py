@@ -23,7 +23,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import custom_root, linear_solve
 
-from ._checks import float_dtype, returns_like, static_bool, static_int
+from ._checks import float_dtype, not_in_checked_shard_map, returns_like, static_bool, static_int
 from ._info import (
     BAD_BRACKET,
     MAX_STEPS,
@@ -113,6 +113,7 @@ def root(
         raise ValueError(f"root: `method` must be one of {_METHODS}, got {method!r}")
     max_steps = static_int(name, "max_steps", max_steps, minimum=1)
     static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
     dtype = float_dtype(name, "x0", x0)
     returns_like(name, "f(x0, *args)", jax.eval_shape(f, x0, *args), "x0", x0)

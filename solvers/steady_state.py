@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from implicitdiff import error_if
 
-from ._checks import static_bool
+from ._checks import not_in_checked_shard_map, static_bool
 from .odeint import Method, _positive, odeint
 from .root import root
 
@@ -80,6 +80,7 @@ def steady_state(
     settle = _positive(name, "settle", settle)
     max_time = _positive(name, "max_time", max_time)
     static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
 
     def field(y, *a):

@@ -133,6 +133,17 @@ def test_float32():
     np.testing.assert_allclose(sol.evaluate(TQ.astype(np.float32)), np.exp(-1.5 * TQ), atol=1e-4)
 
 
+def test_first_use_inside_jit():
+    """The interpolant's coefficients are worked out on first use; that first use may
+    be inside a `jit` trace (a regression: the probe was staged out as tracers)."""
+    from solvers._ode_methods import stage_polynomials
+
+    stage_polynomials.cache_clear()
+    f = jax.jit(lambda y0: odeint(lambda y, t: -y, y0, jnp.array([0.0, 1.0]), dense=True))
+    sol = f(jnp.ones(2))
+    np.testing.assert_allclose(sol.evaluate(0.5), np.exp(-0.5) * np.ones(2), rtol=1e-5)
+
+
 def test_span_must_be_two_times():
     with pytest.raises(ValueError, match=r"dense=True, `t` is the span \[t0, t1\]"):
         odeint(decay, 1.0, jnp.linspace(0.0, 1.0, 5), 1.0, dense=True)
