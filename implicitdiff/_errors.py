@@ -9,13 +9,18 @@ How it works:
 - Otherwise `pred` is reduced to one boolean. A `jax.custom_batching.custom_vmap` rule
   folds any `vmap` batch dimensions into that boolean as well ("does *any* batch element
   fail?"), so the next step stays a real branch rather than becoming a `select`.
-- A `lax.cond` on that boolean does nothing when nothing failed (no copy to the host). On
-  failure it runs a `jax.pure_callback` that receives `pred` and the message values (never
-  `x`) and raises on the host. The branch's boolean result (False whenever the program
-  goes on) selects between the first leaf of `x` and NaN, so the check is part of the
-  data flow of the returned value and cannot be removed as dead code, as long as the
-  caller uses the result; and since `x` itself never enters the branch, a sharded `x`
-  keeps its sharding (a callback's operands are gathered to one device).
+- A `lax.cond` on that boolean does nothing when nothing failed (no copy to the host).
+  On failure, a second `custom_vmap` rule picks the first failing batch element on
+  device, and a `jax.pure_callback` receives only its message values, its index and the
+  batch shape (a few scalars, never `x` or anything batch-sized) and raises on the
+  host. The branch's boolean result (False whenever the program goes on) selects
+  between the first leaf of `x` and NaN, so the check is part of the data flow of the
+  returned value and cannot be removed as dead code, as long as the caller uses the
+  result; and since `x` itself never enters the branch, a sharded `x` keeps its
+  sharding (a callback's operands are gathered to one device).
+- `check_lazily` is the same check for solvers whose per-element verdict costs a pass
+  over the iterate: a cheap batch-wide flag opens the branch, and the verdict and the
+  message values are computed only inside it.
 - The whole thing is a `jax.custom_jvp` whose tangent rule is the identity, so tangents of
   `x` flow through untouched and the check lives on the primal path only (forward mode,
   reverse mode, `linearize` and higher orders alike).

@@ -451,6 +451,18 @@ def test_error_if_under_vmap():
     np.testing.assert_array_equal(nested(jnp.ones((2, 3))), np.ones((2, 3)))
     with pytest.raises(CHECK_ERRORS, match=r"v=-5\.0(.|\n)*\(2, 3\): \(1, 2\)"):
         jax.block_until_ready(nested(jnp.ones((2, 3)).at[1, 2].set(-5.0)))
+    # Mapped along other axes, with two failures: the first in the mapped order is named,
+    # with its index in that order (column 0, then row 2 of the array).
+    by_column = jax.jit(
+        jax.vmap(jax.vmap(lambda x: error_if(x, x < 0, "v={v}", values={"v": x})), in_axes=1)
+    )
+    bad = jnp.ones((3, 2)).at[2, 0].set(-5.0).at[1, 1].set(-4.0)
+    with pytest.raises(CHECK_ERRORS, match=r"v=-5\.0(.|\n)*\(2, 3\): \(0, 2\)"):
+        jax.block_until_ready(by_column(bad))
+    # A batched value with an unbatched verdict.
+    shared = jax.jit(jax.vmap(lambda v: error_if(v, jnp.array(True), "v={v}", values={"v": v})))
+    with pytest.raises(CHECK_ERRORS, match=r"v=7\.0(.|\n)*\(2,\): \(0,\)"):
+        jax.block_until_ready(shared(jnp.array([7.0, 8.0])))
 
 
 def test_error_if_passes_gradients_through():
