@@ -30,7 +30,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import statistics
@@ -45,6 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.hijax import VJPHiPrimitive
+
+try:
+    from ._timing import interleaved, rotated
+except ImportError:  # run as a plain script: this folder is on sys.path
+    from _timing import interleaved, rotated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -252,7 +256,7 @@ def measure_compile(wl: Workload, reps: int) -> None:
     """Median trace+lower and XLA compile time per implementation, all caches cleared."""
     samples: dict[str, list[tuple[float, float]]] = {impl: [] for impl in IMPLS}
     for rep in range(reps):
-        for impl in _rotated(list(IMPLS), rep):
+        for impl in rotated(list(IMPLS), rep):
             jax.clear_caches()
             f = jax.jit(wl.build(impl))
             t0 = time.perf_counter()
@@ -276,31 +280,7 @@ def measure_calls(wl: Workload, rounds: int, block: int, warmup: int = 5) -> Non
     for f in fns.values():
         for _ in range(warmup):
             jax.block_until_ready(f(*wl.args))
-    samples: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    args = wl.args
-    perf_counter = time.perf_counter
-    block_until_ready = jax.block_until_ready
-    gc.collect()
-    gc.disable()
-    try:
-        for r in range(rounds):
-            for impl in _rotated(list(IMPLS), r):
-                f, out = fns[impl], samples[impl]
-                for _ in range(block):
-                    t0 = perf_counter()
-                    block_until_ready(f(*args))
-                    out.append(perf_counter() - t0)
-            if r % 10 == 9:
-                gc.collect()
-    finally:
-        gc.enable()
-    for impl, s in samples.items():
-        wl.per_call[impl] = statistics.median(s)
-
-
-def _rotated(xs: list[str], k: int) -> list[str]:
-    k %= len(xs)
-    return xs[k:] + xs[:k]
+    wl.per_call.update(interleaved(fns, rounds, block, args=wl.args, warmup=False))
 
 
 # ---------------------------------------------------------------------------
