@@ -1,12 +1,17 @@
 """The stepping loop of `odeint`: step-size control, output times, failure, recording.
 
-One `lax.while_loop` walks through all output times. Each iteration tries one step
-from `(t, y)` towards the next output time `ts[i]`; a step that would pass `ts[i]` is
-shortened to land on it exactly (no interpolation: every output is a step end). An
-adaptive method accepts the step when the embedded error estimate, in the weighted
-RMS norm `sqrt(mean((err / (atol + rtol * max(|y|, |y_new|)))**2))`, is at most 1, and
-the next step size comes from the usual controller `h * clip(0.9 * ratio**(-1/order),
-0.2, 10)` (never shrinking after an accepted step), capped at `hmax`.
+A `lax.while_loop` tries one step at a time from `(t, y)`. By default each output
+time `ts[i]` is a step end: a step that would pass it is shortened to land on it
+exactly. With `interpolate=True` the steps go straight to `ts[-1]` and every output
+inside an accepted step is the step's interpolant (`_ode_methods.step_coefficients`),
+so many output times cost no extra steps. An adaptive method accepts the step when
+the embedded error estimate, in the weighted RMS norm `sqrt(mean((err / (atol + rtol
+* max(|y|, |y_new|)))**2))`, is at most 1, and the next step size comes from the usual
+controller `h * clip(0.9 * ratio**(-1/order), 0.2, 10)` (never shrinking after an
+accepted step), capped at `hmax`.
+
+Under `vmap` every loop runs while any element is still going (`_while`) and the
+finished elements write only to spare slots, so no buffer is copied per iteration.
 
 Derivatives never go through the controller: the step sizes, the acceptance decisions
 and the output times enter as constants (`stop_gradient`), so differentiating the loop
@@ -30,10 +35,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS
-from ._ode_methods import Method
+from implicitdiff._errors import any_over_batch
 
-__all__ = ["LoopConfig", "Record", "checkpoint_every", "integrate", "replay_step"]
+from ._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS
+from ._ode_methods import Method, evaluate_step, step_coefficients
+
+__all__ = [
+    "LoopConfig",
+    "Record",
+    "checkpoint_every",
+    "integrate",
+    "output_window",
+    "replay_step",
+]
 
 _SAFETY, _IFACTOR, _DFACTOR = 0.9, 10.0, 0.2
 EVENT = -1  # internal status: the loop stopped before a step across an event
@@ -52,6 +66,7 @@ class LoopConfig:
     err_size: int | None = None  # measure the error on the first `err_size` entries only
     event: Any = None  # g(y, t, params): stop before the first step across a zero of g
     record: int = 0  # >0: record up to this many accepted steps (checkpointed adjoint)
+    interpolate: bool = False  # outputs from the step interpolant, not steps onto them
     dense: int = 0  # >0: output every accepted step, up to this many (dense output)
     progress: bool = False
 
@@ -68,8 +83,29 @@ def checkpoint_every(record: int) -> int:
 
 class Record(dict):
     """What a recording run keeps: `t`, `h` (each accepted step's start and size),
-    `y_cp` (the state every `every` accepted steps, from step 0), `out_step` (the
-    accepted-step count at which each output was reached) and `steps`."""
+    `y_cp` (the state every `every` accepted steps, from step 0), `y_last` (the
+    starts of the latest `every` steps, step `k` in row `k % every`), `out_step` (the
+    accepted-step count at which each output was reached: the output lies in step
+    `out_step - 1`), `out_theta` (where in that step, as a fraction of it: 1 at its
+    end) and `steps`."""
+
+
+def _while(cond, body, carry):
+    """`lax.while_loop` whose predicate is not batched under `vmap`: the loop runs while
+    any element's `cond` holds, and `body` leaves the finished elements unchanged.
+
+    The usual batching of a loop with a batched predicate selects between the old and
+    the new carry for every element at every iteration, a full pass over each buffer
+    (the recorded steps of the checkpointed adjoint are `max_steps` long); here a
+    finished element's writes go to spare slots instead.
+    """
+    return jax.lax.while_loop(lambda c: any_over_batch(cond(c)), body, carry)
+
+
+def output_window(n_out: int, n: int) -> int:
+    """How many output times an interpolating loop handles at once: all of them when
+    that is cheap (one pass per step, no inner loop), else a few at a time."""
+    return max(1, min(n_out - 1, max(8, 4096 // max(n, 1))))
 
 
 def _real_dtype(dtype):
@@ -137,19 +173,27 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
     if cfg.record:
         every = cfg.every
         n_cp = cfg.record // every + 3  # the last one is a spare
-        carry["rec_t"] = jnp.zeros((cfg.record,), tdt)
-        carry["rec_h"] = jnp.zeros((cfg.record,), tdt)
+        carry["rec_t"] = jnp.zeros((cfg.record + 1,), tdt)  # the last one is a spare
+        carry["rec_h"] = jnp.zeros((cfg.record + 1,), tdt)
         carry["y_cp"] = jnp.zeros((n_cp, n), dt).at[0].set(y0)
+        carry["y_last"] = jnp.zeros((every + 1, n), dt)  # the last one is a spare
     eps = float(jnp.finfo(tdt).eps)
     mxstep = cfg.mxstep
 
-    def body(target, c):
+    def attempt(target, c):
+        # One step attempt towards `target`: the new carry, and the step itself (its
+        # start, size, end, stages) for the interpolated outputs.
         t, y, k, h = c["t"], c["y"], c["k"], c["h"]
+        # The loops run while any element of a vmap batch is live (an unbatched
+        # predicate, `_while`), so an element that is done must not change here.
+        live = (t < target) & (c["status"] == SUCCESS)
         to_end = target - t
         # Stretch a step by up to 1% (adaptive) rather than leave a sliver before an output.
         last = to_end <= h * (1.01 if method.adaptive else 1 + 64 * eps)
         h_step = jnp.where(last, to_end, h)
-        y1, err, k1, ok = method.step(f, y, k, t, h_step.astype(tdt), params, rtol=cfg.rtol)
+        y1, err, k1, ok, ks = method.step_with_stages(
+            f, y, k, t, h_step.astype(tdt), params, rtol=cfg.rtol
+        )
         t1 = jnp.where(last, target, t + h_step)
         finite = jnp.all(jnp.isfinite(y1)) & jnp.all(jnp.isfinite(k1))
         if method.adaptive:
@@ -170,15 +214,16 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         else:
             accept = finite
             h_new = h
-        h_new = jax.lax.stop_gradient(h_new.astype(tdt))
-        tries = c["tries"] + 1
+        accept = accept & live
+        h_new = jax.lax.stop_gradient(jnp.where(live, h_new, h).astype(tdt))
+        tries = c["tries"] + live.astype(c["tries"].dtype)
         status = c["status"]
         if not method.adaptive:
-            status = jnp.where(finite, status, NONFINITE)
+            status = jnp.where(live & ~finite, NONFINITE, status)
         tiny = h_new <= 4 * eps * jnp.maximum(jnp.abs(t), jnp.abs(target))
-        underflow = ~accept & tiny
+        underflow = live & ~accept & tiny
         status = jnp.where(underflow, jnp.where(finite, DT_UNDERFLOW, NONFINITE), status)
-        status = jnp.where(~(accept & last) & (tries >= mxstep), MAX_STEPS, status)
+        status = jnp.where(live & ~(accept & last) & (tries >= mxstep), MAX_STEPS, status)
 
         if cfg.event is not None:
             # A step across a zero of the event function is not taken: the loop stops
@@ -194,15 +239,15 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         out["k"] = jnp.where(accept, k1, k)
         out["h"] = h_new
         out["acc"] = c["acc"] + accept.astype(jnp.int32)
-        out["rej"] = c["rej"] + (~accept).astype(jnp.int32)
+        out["rej"] = c["rej"] + (live & ~accept).astype(jnp.int32)
         out["tries"] = tries
         out["status"] = status.astype(jnp.int32)
         if cfg.record:
             # Writes never read the buffer (a read-modify-write of a batched buffer
             # makes XLA copy it every step): an accepted step goes to the next free
             # slot (a rejected attempt's write there is overwritten later), and
-            # a checkpoint not due goes to a spare last slot.
-            slot = jnp.minimum(c["acc"], cfg.record - 1)
+            # what is not due goes to a spare last slot.
+            slot = jnp.minimum(c["acc"], cfg.record)
             out["rec_t"] = c["rec_t"].at[slot].set(t)
             out["rec_h"] = c["rec_h"].at[slot].set(h_step)
             acc = out["acc"]
@@ -210,16 +255,25 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             store = accept & (acc % cfg.every == 0) & (acc // cfg.every < spare)
             cp = jnp.where(store, acc // cfg.every, spare)
             out["y_cp"] = c["y_cp"].at[cp].set(y1)
+            # The start of the latest `every` steps, step k in slot k % every: the
+            # sweep then needs no replay for the last segment (for a short solve, at
+            # all). A rejected attempt writes the same state to the same slot.
+            row = jnp.where(live, c["acc"] % cfg.every, cfg.every)
+            out["y_last"] = c["y_last"].at[row].set(y)
             full = accept & (acc > cfg.record)
             out["status"] = jnp.where(full, MAX_STEPS, out["status"]).astype(jnp.int32)
         if cfg.progress:
             _progress(out, t0, ts[-1])
-        return out
+        taken = dict(t=t, h=h_step, y=y, y1=y1, k_next=k1, ks=ks, accept=accept, live=live)
+        return out, taken
+
+    def body(target, c):
+        return attempt(target, c)[0]
 
     def interval(c, target):
         # One output interval: step until `t` lands on `target` (or the solve fails).
         c = dict(c, tries=jnp.zeros_like(c["tries"]))
-        c = jax.lax.while_loop(
+        c = _while(
             lambda c: (c["t"] < target) & (c["status"] == SUCCESS),
             lambda c: body(target, c),
             c,
@@ -227,7 +281,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         y_out = jnp.where(c["status"] == SUCCESS, c["y"], jnp.full_like(c["y"], jnp.nan))
         return c, (y_out, c["acc"])
 
-    t_nodes = None
+    t_nodes = out_theta = None
     if cfg.dense:
         # Every accepted step is an output row: one flat loop to the end of the span.
         n_rows = cfg.dense + 1
@@ -246,15 +300,67 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             ys=jnp.zeros((n_rows + 1, n), dt).at[0].set(y0),
             tn=jnp.zeros((n_rows + 1,), tdt).at[0].set(t0),
         )
-        c = jax.lax.while_loop(
-            lambda c: (c["t"] < ts[-1]) & (c["status"] == SUCCESS), dense_body, carry
-        )
+        c = _while(lambda c: (c["t"] < ts[-1]) & (c["status"] == SUCCESS), dense_body, carry)
         rows = jnp.arange(n_rows)
         done = rows <= c["acc"]
         y_pad = jnp.where(c["status"] == SUCCESS, c["y"], jnp.full_like(c["y"], jnp.nan))
         ys = jnp.where(done[:, None], c["ys"][:n_rows], y_pad)
         t_nodes = jnp.where(done, c["tn"][:n_rows], c["t"])
         out_step = rows.astype(jnp.int32)
+    elif cfg.interpolate:
+        # One flat loop to the last output time: the steps ignore the other output
+        # times, and every output inside an accepted step is the step's interpolant.
+        extra = ("i", "ys", "out_step", "out_theta")
+        last_row = n_out - 1
+        window = output_window(n_out, n)
+
+        def interp_body(c):
+            inner = {k: v for k, v in c.items() if k not in extra}
+            new, taken = attempt(ts[-1], inner)
+            t_a, h_a, t_b = taken["t"], taken["h"], new["t"]
+            coeffs = step_coefficients(
+                method, h_a, taken["y"], taken["y1"], taken["k_next"], taken["ks"]
+            )
+
+            def due(s):
+                i = s[0]
+                return taken["accept"] & (i < n_out) & (ts[jnp.minimum(i, last_row)] <= t_b)
+
+            def emit(s):
+                # The next `window` outputs at once: those inside the step are written
+                # (the others go to the spare last row).
+                i, ys, out_step, out_theta = s
+                rows = i + jnp.arange(window)
+                t_rows = ts[jnp.minimum(rows, last_row)]
+                inside = taken["accept"] & (rows < n_out) & (t_rows <= t_b)
+                theta = jnp.where(t_rows >= t_b, 1, (t_rows - t_a) / h_a).astype(tdt)
+                y_rows = evaluate_step(coeffs, theta, taken["y1"])
+                rows = jnp.where(inside, rows, n_out)
+                return (
+                    i + jnp.sum(inside, dtype=i.dtype),
+                    ys.at[rows].set(y_rows),
+                    out_step.at[rows].set(new["acc"]),
+                    out_theta.at[rows].set(theta),
+                )
+
+            state = (c["i"], c["ys"], c["out_step"], c["out_theta"])
+            if window >= n_out - 1:  # one window holds every output
+                i, ys, out_step, out_theta = emit(state)
+            else:
+                i, ys, out_step, out_theta = _while(due, emit, state)
+            # `mxstep` counts the attempts since the last output.
+            new["tries"] = jnp.where(i > c["i"], 0, new["tries"])
+            new.update(i=i, ys=ys, out_step=out_step, out_theta=out_theta)
+            return new
+
+        carry.update(
+            i=jnp.asarray(1, jnp.int32),
+            ys=jnp.full((n_out + 1, n), jnp.nan, dt).at[0].set(y0),  # the last: a spare
+            out_step=jnp.zeros((n_out + 1,), jnp.int32),
+            out_theta=jnp.ones((n_out + 1,), tdt),
+        )
+        c = _while(lambda c: (c["i"] < n_out) & (c["status"] == SUCCESS), interp_body, carry)
+        ys, out_step, out_theta = c["ys"][:n_out], c["out_step"][:n_out], c["out_theta"][:n_out]
     elif cfg.record:
         # One flat loop over all steps: the record buffers then stay in place (a loop
         # nested in a scan would copy them at every output time).
@@ -263,8 +369,8 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             row = jnp.minimum(i, n_out - 1)
             target = ts[row]
             inner = {k: v for k, v in c.items() if k not in ("i", "ys", "out_step")}
-            new = body(target, inner)
-            hit = new["t"] >= target
+            new, taken = attempt(target, inner)
+            hit = taken["live"] & (new["t"] >= target)
             new["tries"] = jnp.where(hit, 0, new["tries"])
             new["i"] = i + hit.astype(jnp.int32)
             row = jnp.where(hit, row, n_out)  # the spare last row
@@ -277,9 +383,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             ys=jnp.full((n_out + 1, n), jnp.nan, dt).at[0].set(y0),
             out_step=jnp.zeros((n_out + 1,), jnp.int32),
         )
-        c = jax.lax.while_loop(
-            lambda c: (c["i"] < n_out) & (c["status"] == SUCCESS), flat_body, carry
-        )
+        c = _while(lambda c: (c["i"] < n_out) & (c["status"] == SUCCESS), flat_body, carry)
         ys, out_step = c["ys"][:n_out], c["out_step"][:n_out]
     else:
         c, (ys, out_step) = jax.lax.scan(interval, carry, ts[1:])
@@ -300,8 +404,16 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         stats.update(y=c["y"], k=c["k"], h=c["h"])
     record = None
     if cfg.record:
+        if out_theta is None:  # every output is a step end
+            out_theta = jnp.ones(out_step.shape, tdt)
         record = Record(
-            t=c["rec_t"], h=c["rec_h"], y_cp=c["y_cp"], out_step=out_step, steps=c["acc"]
+            t=c["rec_t"],
+            h=c["rec_h"],
+            y_cp=c["y_cp"],
+            y_last=c["y_last"][: cfg.every],
+            out_step=out_step,
+            out_theta=out_theta,
+            steps=c["acc"],
         )
     if cfg.progress:
         _progress_done(c["t"], c["acc"], c["status"])

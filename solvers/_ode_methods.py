@@ -26,7 +26,17 @@ import numpy as np
 
 from implicitdiff import custom_root
 
-__all__ = ["Method", "METHODS", "get_method", "explicit_stages", "stage_polynomials"]
+__all__ = [
+    "Method",
+    "METHODS",
+    "get_method",
+    "explicit_stages",
+    "stage_polynomials",
+    "output_weights",
+    "step_coefficients",
+    "evaluate_step",
+    "pull_back_outputs",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +84,12 @@ class Method:
 
     def step(self, f, y, k1, t, h, params, *, rtol=1e-6):
         """One step from `(t, y)` of size `h`; `rtol` sets the accuracy of implicit
-        stage solves."""
+        stage solves. Returns `(y1, y_error, k1_next, ok)`."""
+        return self.step_with_stages(f, y, k1, t, h, params, rtol=rtol)[:4]
+
+    def step_with_stages(self, f, y, k1, t, h, params, *, rtol=1e-6):
+        """`step`, also returning the stage derivatives `[k_1, ..., k_s]` (for the
+        interpolant inside the step, `interpolate_step`)."""
         if self.implicit:
             return _esdirk_step(self, f, y, k1, t, h, params, rtol=rtol)
         return _explicit_step(self, f, y, k1, t, h, params)
@@ -135,6 +150,78 @@ def stage_polynomials(m: Method) -> np.ndarray:
     raise AssertionError(f"no polynomial fits the interpolant of {m.name}")
 
 
+# The interpolant inside one step, as weights on a fixed basis:
+#
+#     y(t + theta h) = w_0(theta) y + w_1(theta) y1 + h (w_2(theta) k1_next
+#                      + sum_j w_{3+j}(theta) k_j)
+#
+# from the step's start `y`, end `y1`, the derivative at the end `k1_next` and the
+# stages `k_j`. Dopri5, Tsit5 and Dopri8 use their own continuous extension (weights
+# on the stages only); the others the cubic Hermite interpolant through `y`, `y1`
+# and their derivatives `k_1 = f(y, t)` and `k1_next`.
+BASIS_Y, BASIS_Y1, BASIS_K_NEXT, BASIS_STAGES = 0, 1, 2, 3
+
+# Cubic Hermite basis, lowest power first.
+_H00, _H01 = (1.0, 0.0, -3.0, 2.0), (0.0, 0.0, 3.0, -2.0)
+_H10, _H11 = (0.0, 1.0, -2.0, 1.0), (0.0, 0.0, -1.0, 1.0)
+
+
+@functools.cache
+def output_weights(m: Method) -> np.ndarray:
+    """The polynomials `w_r(theta)` of the interpolant inside a step on the basis
+    `[y, y1, k1_next, k_1, ..., k_s]`, as a `(3 + stages, degree + 1)` array (lowest
+    power first). A row of zeros is a basis entry the interpolant does not use."""
+    if m.interpolation is not None:
+        stages = stage_polynomials(m)
+        w = np.zeros((BASIS_STAGES + m.stages, stages.shape[1]))
+        w[BASIS_Y, 0] = 1.0
+        w[BASIS_STAGES:] = stages
+        return w
+    w = np.zeros((BASIS_STAGES + m.stages, 4))
+    w[BASIS_Y], w[BASIS_Y1], w[BASIS_K_NEXT], w[BASIS_STAGES] = _H00, _H01, _H11, _H10
+    return w
+
+
+def used_basis(m: Method) -> tuple[int, ...]:
+    """The basis entries the interpolant uses (static)."""
+    return tuple(int(r) for r in np.flatnonzero(np.any(output_weights(m) != 0, axis=1)))
+
+
+def step_coefficients(m: Method, h, y, y1, k_next, ks):
+    """The interpolant of one step as a polynomial in `theta`: its coefficients, a
+    `(degree + 1,) + y.shape` array, lowest power first."""
+    basis = [y, y1, k_next, *ks]
+    used = used_basis(m)
+    w = output_weights(m)[list(used)].T  # (powers, used)
+    scale = jnp.asarray([1.0 if r < BASIS_K_NEXT else h for r in used], y.dtype)
+    return (jnp.asarray(w, y.dtype) * scale) @ jnp.stack([basis[r] for r in used])
+
+
+def theta_powers(theta, powers: int):
+    """`theta ** p` for `p = 0 .. powers - 1`, in a new last axis."""
+    return theta[..., None] ** jnp.arange(powers, dtype=theta.dtype)
+
+
+def evaluate_step(coeffs, theta, y1):
+    """The interpolant with coefficients `coeffs` at `theta` (any shape; one row per
+    point); at `theta >= 1` (an output the step lands on) exactly its end `y1`."""
+    vals = theta_powers(theta, coeffs.shape[0]).astype(coeffs.dtype) @ coeffs
+    return jnp.where((theta >= 1)[..., None], y1, vals)
+
+
+def pull_back_outputs(m: Method, theta, g, h):
+    """The transpose of `evaluate_step` through `step_coefficients`: the cotangents of
+    the basis `[y, y1, k1_next, k_1, ..., k_s]` (a `(3 + stages, n)` array) given the
+    cotangents `g` (rows, n) of the outputs at `theta` (rows,); rows with a zero `g`
+    contribute nothing."""
+    end = (theta >= 1)[:, None]
+    w = jnp.asarray(output_weights(m), g.dtype)  # (basis, powers)
+    pw = theta_powers(theta, w.shape[1]).astype(g.dtype)
+    ct = w @ (pw.T @ jnp.where(end, 0, g))
+    ct = ct.at[BASIS_Y1].add(jnp.sum(jnp.where(end, g, 0), axis=0))
+    return ct.at[BASIS_K_NEXT:].multiply(jnp.asarray(h, g.dtype))
+
+
 METHODS: dict[str, Method] = {
     "dopri5": _from_diffrax("dopri5", diffrax.Dopri5, 5),
     "tsit5": _from_diffrax("tsit5", diffrax.Tsit5, 5),
@@ -193,7 +280,7 @@ def _explicit_step(m: Method, f, y, k1, t, h, params):
     else:
         err = jnp.zeros_like(y)
         k_next = f(y1, t + h, params)
-    return y1, err, k_next, jnp.asarray(True)
+    return y1, err, k_next, jnp.asarray(True), ks
 
 
 # ---------------------------------------------------------------------------
@@ -255,4 +342,4 @@ def _esdirk_step(m: Method, f, y, k1, t, h, params, *, rtol):
         ks.append(f(z, ti, params))
     y1 = _combine(y, h, m.b, ks)
     err = h * sum(ej * kj for ej, kj in zip(m.e, ks) if ej != 0.0)
-    return y1, err, ks[-1], ok
+    return y1, err, ks[-1], ok, ks

@@ -11,6 +11,9 @@ its ends:
 - The others (Bosh3, Kvaerno5, RK4, Euler) use the cubic Hermite interpolant that
   matches the values and derivatives at both ends, `O(h^4)` per step.
 
+Both are defined once, in `_ode_methods.output_weights`; `odeint(interpolate=True)`
+evaluates the same polynomials inside its loop.
+
 The coefficients are ordinary differentiable functions of the kept states and the
 arguments of `func`, so derivatives of `evaluate(t)` reach the inputs of the solve
 through `odeint`'s own rules, and reach `t` through the polynomial.
@@ -27,7 +30,7 @@ from jaxtyping import Array, Float, Int
 
 from implicitdiff import error_if
 
-from ._ode_methods import Method, explicit_stages, stage_polynomials
+from ._ode_methods import Method, explicit_stages, step_coefficients
 
 __all__ = ["ODESolution", "step_polynomials"]
 
@@ -122,22 +125,20 @@ def step_polynomials(method: Method, f, ys, ts, params):
 
     `f(y, t, params)` is the flat vector field, `ys` the states at the step times `ts`
     (flat, one row per node). Returns an array `(steps, powers, n)` for the steps
-    between consecutive nodes.
+    between consecutive nodes: the same interpolant as `odeint(interpolate=True)`
+    (`_ode_methods.step_coefficients`), with the stages recomputed from the nodes.
     """
-    y_a, y_b = ys[:-1], ys[1:]
-    t_a = ts[:-1]
-    h = (ts[1:] - t_a).astype(ys.dtype)[:, None]
-    if method.interpolation is None:
-        # Cubic Hermite from the values and derivatives at both ends.
-        fs = jax.vmap(f, (0, 0, None))(ys, ts, params)
-        f_a, f_b = h * fs[:-1], h * fs[1:]
-        d = y_b - y_a
-        return jnp.stack([y_a, f_a, 3 * d - 2 * f_a - f_b, f_a + f_b - 2 * d], axis=1)
 
-    def stages(y, t, hh):
-        return jnp.stack(explicit_stages(method, f, y, f(y, t, params), t, hh, params))
+    def one(y, y1, t, t1):
+        h = t1 - t
+        k1 = f(y, t, params)
+        if method.interpolation is None:
+            # Cubic Hermite: only the derivatives at both ends are used.
+            ks = [k1] + [jnp.zeros_like(k1)] * (method.stages - 1)
+            k_next = f(y1, t1, params)
+        else:
+            ks = explicit_stages(method, f, y, k1, t, h, params)
+            k_next = ks[-1]
+        return step_coefficients(method, h, y, y1, k_next, ks)
 
-    ks = jax.vmap(stages)(y_a, t_a, h[:, 0].astype(ts.dtype))  # (steps, stages, n)
-    w = jnp.asarray(stage_polynomials(method), ks.real.dtype)  # (stages, powers)
-    coeffs = h[:, None] * jnp.einsum("jp,rjn->rpn", w.astype(ks.dtype), ks)
-    return coeffs.at[:, 0].add(y_a)
+    return jax.vmap(one)(ys[:-1], ys[1:], ts[:-1], ts[1:])

@@ -164,6 +164,10 @@ class NeuralODE(eqx.Module):
         dt: the step of the fixed-step methods.
         max_steps: the most recorded steps for `adjoint="checkpoint"`.
         throw: raise when the solve fails.
+        interpolate: evaluate the output times with the interpolant of the steps
+            (`odeint(interpolate=True)`; default, as diffrax's `SaveAt(ts=...)`), so
+            densely sampled trajectories cost no extra steps; `False` steps onto
+            every output time.
 
     Example:
         ```python
@@ -189,6 +193,7 @@ class NeuralODE(eqx.Module):
     dt: float | None = eqx.field(static=True, default=None)
     max_steps: int = eqx.field(static=True, default=4096)
     throw: bool = eqx.field(static=True, default=True)
+    interpolate: bool = eqx.field(static=True, default=True)
 
     def __call__(self, y0: Any, ts: Any, *, return_info: bool = False) -> Any:
         """The trajectory at the times `ts` (`ys[0] = y0`); `(ys, ODEInfo)` with
@@ -211,6 +216,7 @@ class NeuralODE(eqx.Module):
             max_steps=self.max_steps,
             throw=self.throw,
             return_info=return_info,
+            interpolate=self.interpolate,
         )
 
 

@@ -14,9 +14,11 @@ solution at every `t[i]`. Internally the state is one flat vector and the solve 
   the previous one together with `y` (as JAX does), again by the same primitive, so
   reverse-over-reverse (`grad(grad)`) works.
 - reverse mode, `adjoint="checkpoint"`: the discrete adjoint. The forward pass records
-  each accepted step's start and size and the state every `sqrt(max_steps)` steps;
-  the backward pass recomputes one segment of states at a time and pulls the
-  cotangent back through each step (`jax.vjp` of the step). Memory is
+  each accepted step's start and size, the state every `sqrt(max_steps)` steps and
+  the states of the latest `sqrt(max_steps)` steps; the backward pass recomputes one
+  earlier segment of states at a time and pulls the cotangent back through each step
+  (`jax.vjp` of the step). Outputs inside a step (`interpolate=True`) are linear in
+  the step's stages, so their cotangents join that one pull-back. Memory is
   `O(sqrt(max_steps))` states; the gradient is exact for the computed solution.
 - derivatives with respect to the times: `dy(t_i)/dt_i = f(y(t_i), t_i)` and
   `dy(t_i)/dt_0 = -Phi(t_i, t_0) f(y_0, t_0)`, from the flow, for every mode.
@@ -38,13 +40,22 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, Bool, Float, Int
 
 from implicitdiff import Primitive, Zero, error_if
-from implicitdiff._errors import max_over_batch
+from implicitdiff._errors import any_over_batch, max_over_batch
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
 from ._checks import not_in_checked_shard_map, static_bool, static_int
 from ._info import SUCCESS
-from ._ode_loop import LoopConfig, checkpoint_every, integrate, replay_step
-from ._ode_methods import ADAPTIVE, FIXED, METHODS
+from ._ode_loop import LoopConfig, checkpoint_every, integrate, output_window, replay_step
+from ._ode_methods import (
+    ADAPTIVE,
+    BASIS_K_NEXT,
+    BASIS_STAGES,
+    BASIS_Y,
+    BASIS_Y1,
+    FIXED,
+    METHODS,
+    pull_back_outputs,
+)
 from ._ode_solution import ODESolution, step_polynomials
 
 __all__ = ["odeint", "ODEInfo"]
@@ -98,6 +109,7 @@ def odeint(
     return_info: bool = False,
     progress: bool = False,
     dense: bool = False,
+    interpolate: bool = False,
 ) -> Any:
     """Integrate `dy/dt = func(y, t, *args)` from `y(t[0]) = y0`; output at every `t[i]`.
 
@@ -118,7 +130,8 @@ def odeint(
         method: `"dopri5"` (default), `"tsit5"`, `"bosh3"`, `"dopri8"` (explicit
             adaptive), `"kvaerno5"` (adaptive ESDIRK for stiff problems; its stage
             equations are solved by Newton's method), or `"rk4"`/`"euler"` (fixed
-            step `dt`). Every method steps exactly onto each `t[i]`.
+            step `dt`). Every method steps exactly onto each `t[i]` unless
+            `interpolate=True`.
         dt: the step of `"rk4"` and `"euler"` (required for them); steps are
             shortened to land on each `t[i]`.
         adjoint: reverse mode by `"backsolve"` (the continuous adjoint integrated
@@ -139,6 +152,14 @@ def odeint(
             own interpolant (Dopri5, Tsit5, Dopri8) or a cubic Hermite one.
             Derivatives with respect to `y0` and `args` work in every mode; the span
             itself is not differentiated.
+        interpolate: step freely to `t[-1]` and evaluate the other output times
+            with the interpolant of the step holding each (the same interpolant as
+            `dense=True`), as `jax.experimental.ode.odeint` and diffrax do, instead
+            of stepping onto every `t[i]`. Many output times then cost no extra
+            steps (a neural ODE fitted to a sampled trajectory); the outputs carry
+            the interpolant's error, so they are a little less accurate than step
+            ends. Forward mode and `adjoint="checkpoint"` give the exact derivative
+            of these outputs; `"backsolve"` the continuous adjoint, as always.
 
     Returns:
         The solution, a pytree like `y0` with a leading axis of length `len(t)`, or
@@ -174,6 +195,12 @@ def odeint(
     static_bool(name, "return_info", return_info)
     static_bool(name, "progress", progress)
     static_bool(name, "dense", dense)
+    static_bool(name, "interpolate", interpolate)
+    if dense and interpolate:
+        raise ValueError(
+            "odeint: `dense=True` already returns the interpolant over the whole span; "
+            "pass either dense=True or interpolate=True, not both"
+        )
     m = METHODS[method]
     if m.adaptive:
         if dt is not None:
@@ -228,6 +255,7 @@ def odeint(
         dt=dt,
         progress=progress,
         dense=max_steps if dense else 0,
+        interpolate=interpolate,
     )
     cfg = _Config(loop=loop, adjoint=adjoint, max_steps=max_steps, throw=throw, info=return_info)
     ys, stats, t_nodes = _ODESolve.apply(y_flat, t, pd, pn, f=field, cfg=cfg)
@@ -413,17 +441,29 @@ class _ODESolve(Primitive):
     def vjp_fwd(self, nzs_in, y0, ts, pd, pn):
         if nzs_in[1]:
             _span_not_differentiable(self.cfg)
+        rec = None
         if self.cfg.adjoint == "backsolve":
             out = self(y0, ts, pd, pn)
-            return out, (out[0], ts, pd, pn, out[2])
-        out, rec = self._run(y0, ts, pd, pn, record=self.cfg.max_steps)
-        return out, (out[0], ts, pd, pn, out[2], dict(rec))
+        else:
+            out, rec = self._run(y0, ts, pd, pn, record=self.cfg.max_steps)
+            rec = dict(rec)
+        # (`ts_ct`: whether the times get a cotangent, told by the residuals' structure.)
+        res = dict(
+            ys=out[0],
+            ts=ts,
+            pd=pd,
+            pn=pn,
+            tn=out[2],
+            rec=rec,
+            ts_ct=[jnp.zeros((0,))] if nzs_in[1] else [],
+        )
+        return out, res
 
     def vjp_bwd_retval(self, res, g):
         g_ys = g[0]
         if isinstance(g_ys, Zero):
             return None, None, None, None
-        ys, ts, pd, pn, tn = res[:5]
+        ys, ts, pd, pn, tn = (res[k] for k in ("ys", "ts", "pd", "pn", "tn"))
         f = self.f
         if tn is not None:
             # Dense output: the rows past the last step repeat its state, so their
@@ -436,18 +476,18 @@ class _ODESolve(Primitive):
         if self.cfg.adjoint == "backsolve":
             a0, ct_pd = _backsolve(f, self.cfg, ys, ts, pd, pn, g_ys)
         else:
-            rec = res[5]
+            rec = res["rec"]
             a0, ct_pd = _CheckpointSweep.apply(
-                rec["y_cp"],
+                (rec["y_cp"], rec["y_last"]),
                 g_ys,
                 pd,
                 pn,
-                (rec["t"], rec["h"], rec["out_step"], rec["steps"]),
+                (rec["t"], rec["h"], rec["out_step"], rec["out_theta"], rec["steps"]),
                 f=f,
                 loop=self.cfg.loop,
                 every=checkpoint_every(self.cfg.max_steps),
             )
-        if tn is not None:
+        if tn is not None or not res["ts_ct"]:
             return a0, None, ct_pd, None
         # Times: y(t_i) moves with t_i along the flow; t_0 moves the whole trajectory.
         fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
@@ -511,7 +551,9 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
     dtype = ys.dtype
     p_flat, unravel_p = ravel_pytree(pd) if pd else (jnp.zeros((0,), dtype), None)
     field = _AdjointField(f, n)
-    loop = dataclasses.replace(cfg.loop, err_size=None, record=0, dense=0, progress=False)
+    loop = dataclasses.replace(
+        cfg.loop, err_size=None, record=0, dense=0, interpolate=False, progress=False
+    )
     adj_cfg = _Config(loop=loop, adjoint="backsolve", max_steps=cfg.max_steps, throw=cfg.throw,
                       info=False, backward=True)  # fmt: skip
 
@@ -543,7 +585,8 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
 class _CheckpointSweep(Primitive):
     """`(y0_bar, pd_bar)`: the cotangent pulled back through the recorded steps.
 
-    Inputs `(y_cp, g, pd, pn, record)` with `record = (t, h, out_step, steps)`.
+    Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, latest states)`
+    and `record = (t, h, out_step, out_theta, steps)` (see `_ode_loop.Record`).
     Params: `f`, `loop` (a `LoopConfig`), `every` (steps between checkpoints).
     """
 
@@ -573,15 +616,64 @@ class _CheckpointSweep(Primitive):
 
 
 def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
-    rec_t, rec_h, out_step, steps = rec
+    y_cp, y_last = y_cp
+    rec_t, rec_h, out_step, out_theta, steps = rec
     n_out, n = g.shape
     method = loop.method
     cap = rec_t.shape[0]
+    window = output_window(n_out, n)
+    field = lambda y, t, params: f(y, t, *params)  # noqa: E731
 
     def step(y, k, pd):
-        field = lambda y, t, params: f(y, t, *params)  # noqa: E731
         k = jnp.minimum(k, cap - 1)
         return replay_step(method, field, y, rec_t[k], rec_h[k], (pd, pn), loop.rtol)
+
+    def step_with_stages(y, k, pd):
+        # The replayed step with what its interpolant is built from: (y1, k_next, ks).
+        k = jnp.minimum(k, cap - 1)
+        t, h = rec_t[k], rec_h[k]
+        k1 = field(y, t, (pd, pn))
+        y1, _, k_next, _, ks = method.step_with_stages(field, y, k1, t, h, (pd, pn), rtol=loop.rtol)
+        return y1, k_next, ks
+
+    def pull_back_step(k, j, active, ys, a, ptr):
+        """The cotangent of the state before step `k`, from `a` (that after it) and
+        the cotangents of the outputs inside the step; moves `ptr` past them."""
+        if not loop.interpolate:
+            # Every output is a step end: at most one lands on this step.
+            hit = active & (ptr >= 1) & (out_step[ptr] == k + 1)
+            a = a + jnp.where(hit, g[ptr], jnp.zeros_like(a))
+            ptr = ptr - hit.astype(ptr.dtype)
+            _, pullback = jax.vjp(lambda y, p: step(y, k, p), ys[j], pd)
+            return pullback(a), ptr
+
+        # Outputs inside the step are interpolants, linear in the basis (y, y1,
+        # k_next, stages): gather their cotangents on that basis, `window` outputs at
+        # a time (the last first), then pull back through the step once.
+        def due(s):
+            ptr = s[0]
+            return active & (ptr >= 1) & (out_step[jnp.maximum(ptr, 0)] == k + 1)
+
+        h = rec_h[jnp.minimum(k, cap - 1)]
+
+        def gather(s):
+            ptr, basis_ct = s
+            back = ptr - jnp.arange(window)
+            rows = jnp.maximum(back, 0)
+            inside = active & (back >= 1) & (out_step[rows] == k + 1)
+            g_in = jnp.where(inside[:, None], g[rows], 0)
+            ct = pull_back_outputs(method, out_theta[rows], g_in, h)
+            return ptr - jnp.sum(inside, dtype=ptr.dtype), basis_ct + ct
+
+        state = (ptr, jnp.zeros((BASIS_STAGES + method.stages, n), g.dtype))
+        if window >= n_out - 1:  # one window holds every output
+            ptr, basis_ct = gather(state)
+        else:
+            ptr, basis_ct = jax.lax.while_loop(lambda s: any_over_batch(due(s)), gather, state)
+        _, pullback = jax.vjp(lambda y, p: step_with_stages(y, k, p), ys[j], pd)
+        ct_stages = [basis_ct[BASIS_STAGES + r] for r in range(method.stages)]
+        da, dp = pullback((a + basis_ct[BASIS_Y1], basis_ct[BASIS_K_NEXT], ct_stages))
+        return (da + basis_ct[BASIS_Y], dp), ptr
 
     # Segments of `every` steps, last first. The loop counters are the same for every
     # element of a vmap batch (the bound is the batch's largest step count, and the
@@ -595,24 +687,23 @@ def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
         # a short solve (a few dozen steps against `every = sqrt(max_steps)`) replays
         # just its own steps.
         m_max = max_over_batch(m)
+        # The last segment's states were kept by the forward pass; the others are
+        # replayed from their checkpoint.
+        kept = seg == (steps - 1) // every
 
         def forward(j, ys):
             y1 = step(ys[j], k0 + j, pd)
             return ys.at[j + 1].set(jnp.where(j + 1 < m, y1, ys[j]))
 
         ys = jnp.zeros((every, n), y_cp.dtype).at[0].set(y_cp[seg])
-        ys = jax.lax.fori_loop(0, m_max - 1, forward, ys)
+        ys = jax.lax.fori_loop(0, max_over_batch(jnp.where(kept, 0, m)) - 1, forward, ys)
+        ys = jnp.where(kept, y_last, ys)
 
         def back(jj, c):
             a, p_bar, ptr = c
             j = m_max - 1 - jj
-            k = k0 + j
             active = j < m
-            hit = active & (ptr >= 1) & (out_step[ptr] == k + 1)
-            a = a + jnp.where(hit, g[ptr], jnp.zeros_like(a))
-            ptr = ptr - hit.astype(ptr.dtype)
-            _, pullback = jax.vjp(lambda y, p: step(y, k, p), ys[j], pd)
-            da, dp = pullback(a)
+            (da, dp), ptr = pull_back_step(k0 + j, j, active, ys, a, ptr)
             a = jnp.where(active, da, a)
             p_bar = jax.tree_util.tree_map(lambda pb, d: jnp.where(active, pb + d, pb), p_bar, dp)
             return a, p_bar, ptr
@@ -620,11 +711,16 @@ def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
         return jax.lax.fori_loop(0, m_max, back, (a, p_bar, ptr))
 
     n_seg = (max_over_batch(steps) + every - 1) // every
+    if loop.interpolate:
+        # The last output reached (rows reached have a step count of at least 1).
+        last = jnp.sum(out_step[1:] > 0)
+    else:
+        # The last output reached (with dense output, the last step's row).
+        last = jnp.minimum(n_out - 1, steps)
     init = (
         jnp.zeros((n,), g.dtype),
         jax.tree_util.tree_map(jnp.zeros_like, pd),
-        # The last output reached (with dense output, the last step's row).
-        jnp.minimum(n_out - 1, steps).astype(jnp.int32),
+        last.astype(jnp.int32),
     )
     a, p_bar, _ = jax.lax.fori_loop(0, n_seg, segment, init)
     return a + g[0], p_bar

@@ -26,3 +26,16 @@ def fast_compiles():
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's caches of compiled programs after each test module.
+
+    Every compiled XLA:CPU program keeps memory mappings alive; the whole suite compiles
+    thousands of them, and past the kernel's limit on mappings per process
+    (`vm.max_map_count`, 65530 by default) the compiler's allocations fail and the
+    process crashes. Nothing is shared between modules, so the caches can go.
+    """
+    yield
+    jax.clear_caches()
