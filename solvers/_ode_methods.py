@@ -89,7 +89,7 @@ class Method:
 
     def step_with_stages(self, f, y, k1, t, h, params, *, rtol=1e-6):
         """`step`, also returning the stage derivatives `[k_1, ..., k_s]` (for the
-        interpolant inside the step, `interpolate_step`)."""
+        interpolant inside the step, `step_coefficients`)."""
         if self.implicit:
             return _esdirk_step(self, f, y, k1, t, h, params, rtol=rtol)
         return _explicit_step(self, f, y, k1, t, h, params)
