@@ -46,7 +46,6 @@ __all__ = [
     "checkpoint_every",
     "integrate",
     "output_window",
-    "replay_step",
 ]
 
 _SAFETY, _IFACTOR, _DFACTOR = 0.9, 10.0, 0.2
@@ -418,12 +417,6 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
     if cfg.progress:
         _progress_done(c["t"], c["acc"], c["status"])
     return ys, stats, record
-
-
-def replay_step(method: Method, f, y, t, h, params, rtol):
-    """The step the loop took from `(t, y)` with size `h` (recomputing `f(y, t)`)."""
-    k = f(y, t, params)
-    return method.step(f, y, k, t, h, params, rtol=rtol)[0]
 
 
 # ---------------------------------------------------------------------------

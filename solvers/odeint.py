@@ -45,7 +45,7 @@ from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
 from ._checks import not_in_checked_shard_map, static_bool, static_int
 from ._info import SUCCESS
-from ._ode_loop import LoopConfig, checkpoint_every, integrate, output_window, replay_step
+from ._ode_loop import LoopConfig, checkpoint_every, integrate, output_window
 from ._ode_methods import (
     ADAPTIVE,
     BASIS_K_NEXT,
@@ -624,17 +624,17 @@ def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
     window = output_window(n_out, n)
     field = lambda y, t, params: f(y, t, *params)  # noqa: E731
 
-    def step(y, k, pd):
-        k = jnp.minimum(k, cap - 1)
-        return replay_step(method, field, y, rec_t[k], rec_h[k], (pd, pn), loop.rtol)
-
     def step_with_stages(y, k, pd):
-        # The replayed step with what its interpolant is built from: (y1, k_next, ks).
+        # Step `k` replayed from `y` (recomputing f(y, t)), with what its interpolant
+        # is built from: (y1, k_next, ks).
         k = jnp.minimum(k, cap - 1)
         t, h = rec_t[k], rec_h[k]
         k1 = field(y, t, (pd, pn))
         y1, _, k_next, _, ks = method.step_with_stages(field, y, k1, t, h, (pd, pn), rtol=loop.rtol)
         return y1, k_next, ks
+
+    def step(y, k, pd):
+        return step_with_stages(y, k, pd)[0]
 
     def pull_back_step(k, j, active, ys, a, ptr):
         """The cotangent of the state before step `k`, from `a` (that after it) and
