@@ -518,6 +518,29 @@ class Primitive:
             "`vjp_bwd` or `vjp_bwd_retval`"
         )
 
+    def vjp_bwd_batched(
+        self,
+        axis_size: int,
+        in_dims: tuple[Any, ...],
+        res: Any,
+        res_dims: Any,
+        g: Any,
+        g_dims: Any,
+    ) -> tuple[Any, ...] | None:
+        """Optional: the backward pass for a whole `vmap` batch at once.
+
+        Under the automatic batching rule, reverse mode maps `vjp_bwd_retval` over the
+        batch and then sums the cotangents of the inputs the batch shares. A primitive
+        that can do better (sum inside its own computation, say, instead of holding a
+        cotangent per element) overrides this. It receives the batch size, the inputs'
+        batch axes `in_dims` (None: shared by the batch), the residuals and the output
+        cotangent `g` (which may hold `Zero`s) with their batch axes (None: the same for
+        every element). It returns one cotangent per input (None for zero), with the
+        batch axis first for a batched input and summed over the batch for a shared
+        one, or None to fall back to the mapped `vjp_bwd_retval`.
+        """
+        return None
+
     def jvp(self, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
         """Forward mode: return `(self(*primals), output tangent)`; tangents may be `Zero`."""
         raise NotImplementedError(

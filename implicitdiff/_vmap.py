@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _jax_compat as compat
 from ._jax_compat import Zero
-from ._primitive import Primitive, Static, _Accum, _broadcast_prefix
+from ._primitive import Primitive, Static, _Accum, _broadcast_prefix, _overrides
 
 
 class VmapOf(Primitive):
@@ -108,6 +109,12 @@ class VmapOf(Primitive):
     def vjp_bwd_retval(self, res_, g):
         prim = self.prim
         res, res_axes = _unpack_residuals(res_)
+        if _overrides(type(prim), "vjp_bwd_batched"):
+            cts = prim.vjp_bwd_batched(
+                self.axis_data.size, self._in_axes, res, res_axes, g, self._out_axes
+            )
+            if cts is not None:
+                return self._batch_axis_to_input(cts)
         nz, g_nz, g_dims = _nonzero(prim.out_tree.flatten_up_to(g), self.out_dims)
         produced: dict[str, list[bool]] = {}
 
@@ -135,6 +142,25 @@ class VmapOf(Primitive):
         it = iter(vals)
         flat = [next(it) if m else None for m in mask]
         return tuple(prim._unflatten_in(flat))
+
+    def _batch_axis_to_input(self, cts):
+        # `vjp_bwd_batched` puts the batch axis first; each input may have it elsewhere.
+        if not isinstance(cts, tuple | list) or len(cts) != len(self.in_avals):
+            raise TypeError(
+                f"{type(self.prim).__name__}.vjp_bwd_batched must return None or a tuple "
+                f"with one cotangent per input ({len(self.in_avals)})"
+            )
+        out = []
+        for ct, dims in zip(cts, self._in_axes):
+            if ct is None or isinstance(ct, Zero):
+                out.append(None)
+                continue
+            out.append(
+                jax.tree_util.tree_map(
+                    lambda x, d: x if d is None else jnp.moveaxis(x, 0, d), ct, dims
+                )
+            )
+        return tuple(out)
 
     def transpose(self, out_ct, *maybe_accums):
         # The base primitive's transpose, mapped: collect its cotangents for the linear

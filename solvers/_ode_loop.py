@@ -82,11 +82,11 @@ def checkpoint_every(record: int) -> int:
 
 class Record(dict):
     """What a recording run keeps: `t`, `h` (each accepted step's start and size),
-    `y_cp` (the state every `every` accepted steps, from step 0), `y_last` (the
-    starts of the latest `every` steps, step `k` in row `k % every`), `out_step` (the
-    accepted-step count at which each output was reached: the output lies in step
-    `out_step - 1`), `out_theta` (where in that step, as a fraction of it: 1 at its
-    end) and `steps`."""
+    `y_cp` (the state every `every` accepted steps, from step 0), `y_last` and
+    `k_last` (the starts of the latest `every` steps and `f` there, step `k` in row
+    `k % every`), `out_step` (the accepted-step count at which each output was
+    reached: the output lies in step `out_step - 1`), `out_theta` (where in that
+    step, as a fraction of it: 1 at its end) and `steps`."""
 
 
 def _while(cond, body, carry):
@@ -176,6 +176,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         carry["rec_h"] = jnp.zeros((cfg.record + 1,), tdt)
         carry["y_cp"] = jnp.zeros((n_cp, n), dt).at[0].set(y0)
         carry["y_last"] = jnp.zeros((every + 1, n), dt)  # the last one is a spare
+        carry["k_last"] = jnp.zeros((every + 1, n), dt)
     eps = float(jnp.finfo(tdt).eps)
     mxstep = cfg.mxstep
 
@@ -259,6 +260,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             # all). A rejected attempt writes the same state to the same slot.
             row = jnp.where(live, c["acc"] % cfg.every, cfg.every)
             out["y_last"] = c["y_last"].at[row].set(y)
+            out["k_last"] = c["k_last"].at[row].set(k)
             full = accept & (acc > cfg.record)
             out["status"] = jnp.where(full, MAX_STEPS, out["status"]).astype(jnp.int32)
         if cfg.progress:
@@ -320,33 +322,45 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             coeffs = step_coefficients(
                 method, h_a, taken["y"], taken["y1"], taken["k_next"], taken["ks"]
             )
+            # Computed once per step, not once per output row inside a fused evaluation.
+            coeffs = jax.lax.optimization_barrier(coeffs)
 
-            def due(s):
-                i = s[0]
-                return taken["accept"] & (i < n_out) & (ts[jnp.minimum(i, last_row)] <= t_b)
-
-            def emit(s):
-                # The next `window` outputs at once: those inside the step are written
-                # (the others go to the spare last row).
-                i, ys, out_step, out_theta = s
-                rows = i + jnp.arange(window)
+            def outputs_at(rows, i):
+                # The interpolant at the output rows `rows`; which of them lie in this
+                # step (rows before `i` were written by earlier steps).
                 t_rows = ts[jnp.minimum(rows, last_row)]
-                inside = taken["accept"] & (rows < n_out) & (t_rows <= t_b)
+                inside = taken["accept"] & (rows >= i) & (rows < n_out) & (t_rows <= t_b)
                 theta = jnp.where(t_rows >= t_b, 1, (t_rows - t_a) / h_a).astype(tdt)
-                y_rows = evaluate_step(coeffs, theta, taken["y1"])
-                rows = jnp.where(inside, rows, n_out)
-                return (
-                    i + jnp.sum(inside, dtype=i.dtype),
-                    ys.at[rows].set(y_rows),
-                    out_step.at[rows].set(new["acc"]),
-                    out_theta.at[rows].set(theta),
-                )
+                return inside, theta, evaluate_step(coeffs, theta, taken["y1"])
 
-            state = (c["i"], c["ys"], c["out_step"], c["out_theta"])
-            if window >= n_out - 1:  # one window holds every output
-                i, ys, out_step, out_theta = emit(state)
+            i, ys, out_step, out_theta = c["i"], c["ys"], c["out_step"], c["out_theta"]
+            if window >= n_out - 1:
+                # One pass over every row (the last one is a spare): a select, no scatter.
+                inside, theta, y_rows = outputs_at(jnp.arange(n_out + 1), i)
+                ys = jnp.where(inside[:, None], y_rows, ys)
+                out_step = jnp.where(inside, new["acc"], out_step)
+                out_theta = jnp.where(inside, theta, out_theta)
+                i = i + jnp.sum(inside, dtype=i.dtype)
             else:
-                i, ys, out_step, out_theta = _while(due, emit, state)
+                # The next `window` outputs at a time, while the step holds more; those
+                # inside it are written (the others go to the spare last row).
+                def due(s):
+                    i = s[0]
+                    return taken["accept"] & (i < n_out) & (ts[jnp.minimum(i, last_row)] <= t_b)
+
+                def emit(s):
+                    i, ys, out_step, out_theta = s
+                    rows = i + jnp.arange(window)
+                    inside, theta, y_rows = outputs_at(rows, i)
+                    rows = jnp.where(inside, rows, n_out)
+                    return (
+                        i + jnp.sum(inside, dtype=i.dtype),
+                        ys.at[rows].set(y_rows),
+                        out_step.at[rows].set(new["acc"]),
+                        out_theta.at[rows].set(theta),
+                    )
+
+                i, ys, out_step, out_theta = _while(due, emit, (i, ys, out_step, out_theta))
             # `mxstep` counts the attempts since the last output.
             new["tries"] = jnp.where(i > c["i"], 0, new["tries"])
             new.update(i=i, ys=ys, out_step=out_step, out_theta=out_theta)
@@ -410,6 +424,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             h=c["rec_h"],
             y_cp=c["y_cp"],
             y_last=c["y_last"][: cfg.every],
+            k_last=c["k_last"][: cfg.every],
             out_step=out_step,
             out_theta=out_theta,
             steps=c["acc"],

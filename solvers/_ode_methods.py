@@ -146,6 +146,9 @@ def stage_polynomials(m: Method) -> np.ndarray:
         vander = np.vander(thetas, degree + 1, increasing=True)
         coef = np.linalg.lstsq(vander, w, rcond=None)[0]  # (degree + 1, stages)
         if np.max(np.abs(vander @ coef - w)) < 1e-13:
+            # Exact zeros where the fit leaves rounding noise (the weights vanish at
+            # theta = 0), so the evaluation skips those terms.
+            coef[np.abs(coef) < 1e-12 * np.max(np.abs(coef))] = 0.0
             return coef.T
     raise AssertionError(f"no polynomial fits the interpolant of {m.name}")
 
@@ -182,30 +185,38 @@ def output_weights(m: Method) -> np.ndarray:
     return w
 
 
-def used_basis(m: Method) -> tuple[int, ...]:
-    """The basis entries the interpolant uses (static)."""
-    return tuple(int(r) for r in np.flatnonzero(np.any(output_weights(m) != 0, axis=1)))
+def _weighted_sum(weights, terms):
+    """`sum_r weights[r] * terms[r]` over the non-zero (static) weights; `None` if none."""
+    acc = None
+    for wr, term in zip(weights, terms):
+        if wr != 0.0:
+            acc = wr * term if acc is None else acc + wr * term
+    return acc
 
 
 def step_coefficients(m: Method, h, y, y1, k_next, ks):
     """The interpolant of one step as a polynomial in `theta`: its coefficients, a
     `(degree + 1,) + y.shape` array, lowest power first."""
     basis = [y, y1, k_next, *ks]
-    used = used_basis(m)
-    w = output_weights(m)[list(used)].T  # (powers, used)
-    scale = jnp.asarray([1.0 if r < BASIS_K_NEXT else h for r in used], y.dtype)
-    return (jnp.asarray(w, y.dtype) * scale) @ jnp.stack([basis[r] for r in used])
-
-
-def theta_powers(theta, powers: int):
-    """`theta ** p` for `p = 0 .. powers - 1`, in a new last axis."""
-    return theta[..., None] ** jnp.arange(powers, dtype=theta.dtype)
+    w = output_weights(m)
+    h = jnp.asarray(h, y.dtype)
+    coeffs = []
+    # Sums with static weights (no matrix product): they fuse into one elementwise pass.
+    for p in range(w.shape[1]):
+        plain = _weighted_sum(w[:BASIS_K_NEXT, p], basis[:BASIS_K_NEXT])
+        slopes = _weighted_sum(w[BASIS_K_NEXT:, p], basis[BASIS_K_NEXT:])
+        c = jnp.zeros_like(y) if plain is None else plain
+        coeffs.append(c if slopes is None else c + h * slopes)
+    return jnp.stack(coeffs)
 
 
 def evaluate_step(coeffs, theta, y1):
     """The interpolant with coefficients `coeffs` at `theta` (any shape; one row per
     point); at `theta >= 1` (an output the step lands on) exactly its end `y1`."""
-    vals = theta_powers(theta, coeffs.shape[0]).astype(coeffs.dtype) @ coeffs
+    th = jnp.asarray(theta, coeffs.dtype)[..., None]
+    vals = coeffs[-1]
+    for p in range(coeffs.shape[0] - 2, -1, -1):  # Horner's rule
+        vals = vals * th + coeffs[p]
     return jnp.where((theta >= 1)[..., None], y1, vals)
 
 
@@ -215,11 +226,25 @@ def pull_back_outputs(m: Method, theta, g, h):
     cotangents `g` (rows, n) of the outputs at `theta` (rows,); rows with a zero `g`
     contribute nothing."""
     end = (theta >= 1)[:, None]
-    w = jnp.asarray(output_weights(m), g.dtype)  # (basis, powers)
-    pw = theta_powers(theta, w.shape[1]).astype(g.dtype)
-    ct = w @ (pw.T @ jnp.where(end, 0, g))
-    ct = ct.at[BASIS_Y1].add(jnp.sum(jnp.where(end, g, 0), axis=0))
-    return ct.at[BASIS_K_NEXT:].multiply(jnp.asarray(h, g.dtype))
+    w = output_weights(m)  # (basis, powers)
+    th = jnp.asarray(theta, g.dtype)
+    # The cotangent of each polynomial coefficient, the sum over rows of theta**p g,
+    # as one reduction (the powers by repeated products, not `**`).
+    powers = [jnp.ones_like(th)]
+    for _ in range(w.shape[1] - 1):
+        powers.append(powers[-1] * th)
+    terms = jnp.stack(powers, axis=1)[:, :, None] * jnp.where(end, 0, g)[:, None, :]
+    poly = list(jnp.sum(terms, axis=0))
+    h = jnp.asarray(h, g.dtype)
+    zero = jnp.zeros_like(poly[0])
+    ct = []
+    for r in range(w.shape[0]):
+        c = _weighted_sum(w[r], poly)
+        c = zero if c is None else c
+        if r == BASIS_Y1:
+            c = c + jnp.sum(jnp.where(end, g, 0), axis=0)
+        ct.append(c * h if r >= BASIS_K_NEXT else c)
+    return jnp.stack(ct)
 
 
 METHODS: dict[str, Method] = {

@@ -19,7 +19,8 @@ solution at every `t[i]`. Internally the state is one flat vector and the solve 
   earlier segment of states at a time and pulls the cotangent back through each step
   (`jax.vjp` of the step). Outputs inside a step (`interpolate=True`) are linear in
   the step's stages, so their cotangents join that one pull-back. Memory is
-  `O(sqrt(max_steps))` states; the gradient is exact for the computed solution.
+  `O(sqrt(max_steps))` states; the gradient is exact for the computed solution. The
+  sweep is `_ode_checkpoint`; under `vmap` it runs once for the whole batch.
 - derivatives with respect to the times: `dy(t_i)/dt_i = f(y(t_i), t_i)` and
   `dy(t_i)/dt_0 = -Phi(t_i, t_0) f(y_0, t_0)`, from the flow, for every mode.
 
@@ -40,22 +41,13 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, Bool, Float, Int
 
 from implicitdiff import Primitive, Zero, error_if
-from implicitdiff._errors import any_over_batch, max_over_batch
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
 from ._checks import not_in_checked_shard_map, static_bool, static_int
 from ._info import SUCCESS
-from ._ode_loop import LoopConfig, checkpoint_every, integrate, output_window
-from ._ode_methods import (
-    ADAPTIVE,
-    BASIS_K_NEXT,
-    BASIS_STAGES,
-    BASIS_Y,
-    BASIS_Y1,
-    FIXED,
-    METHODS,
-    pull_back_outputs,
-)
+from ._ode_checkpoint import CheckpointSweep, batched_sweep
+from ._ode_loop import LoopConfig, checkpoint_every, integrate
+from ._ode_methods import ADAPTIVE, FIXED, METHODS
 from ._ode_solution import ODESolution, step_polynomials
 
 __all__ = ["odeint", "ODEInfo"]
@@ -463,39 +455,95 @@ class _ODESolve(Primitive):
         g_ys = g[0]
         if isinstance(g_ys, Zero):
             return None, None, None, None
-        ys, ts, pd, pn, tn = (res[k] for k in ("ys", "ts", "pd", "pn", "tn"))
-        f = self.f
-        if tn is not None:
-            # Dense output: the rows past the last step repeat its state, so their
-            # cotangents all belong to that step; the outputs are at the step times.
-            last = jnp.sum(tn < tn[-1])
-            rows = jnp.arange(tn.shape[0])[:, None]
-            tail = jnp.sum(jnp.where(rows > last, g_ys, 0), axis=0)
-            g_ys = jnp.where(rows > last, 0, g_ys) + jnp.where(rows == last, tail, 0)
-            ts = tn
+        ys, pd, pn = res["ys"], res["pd"], res["pn"]
+        g_ys, ts = _dense_cotangents(res["tn"], res["ts"], g_ys)
         if self.cfg.adjoint == "backsolve":
-            a0, ct_pd = _backsolve(f, self.cfg, ys, ts, pd, pn, g_ys)
+            a0, ct_pd = _backsolve(self.f, self.cfg, ys, ts, pd, pn, g_ys)
         else:
             rec = res["rec"]
-            a0, ct_pd = _CheckpointSweep.apply(
-                (rec["y_cp"], rec["y_last"]),
+            a0, ct_pd = CheckpointSweep.apply(
+                (rec["y_cp"], rec["y_last"], rec["k_last"]),
                 g_ys,
                 pd,
                 pn,
                 (rec["t"], rec["h"], rec["out_step"], rec["out_theta"], rec["steps"]),
-                f=f,
-                loop=self.cfg.loop,
-                every=checkpoint_every(self.cfg.max_steps),
+                **self._sweep_params(),
             )
-        if tn is not None or not res["ts_ct"]:
+        if res["tn"] is not None or not res["ts_ct"]:
             return a0, None, ct_pd, None
-        # Times: y(t_i) moves with t_i along the flow; t_0 moves the whole trajectory.
-        fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
-        ct_ts = jax.vmap(_dt_cotangent)(fs, g_ys, ts)
-        # ys[0] = y0 does not move with t_0; the later outputs do, by -Phi f(y0, t0).
-        ct_t0 = _dt_cotangent(fs[0], -(a0 - g_ys[0]), ts[0])
-        ct_ts = ct_ts.at[0].set(ct_t0)
+        return a0, _times_cotangent(self.f, ys, ts, pd, pn, g_ys, a0), ct_pd, None
+
+    def vjp_bwd_batched(self, axis_size, in_dims, res, res_dims, g, g_dims):
+        # A vmapped solve with the checkpointed adjoint: one sweep for the whole batch,
+        # in which the cotangents of the parameters the batch shares are summed over it
+        # at each step (not held per element). The rest maps element by element.
+        g_ys = g[0]
+        if self.cfg.adjoint != "checkpoint" or isinstance(g_ys, Zero):
+            return None
+
+        def first(x, d):  # the batch axis first, broadcast if absent
+            if d is None:
+                return jnp.broadcast_to(x[None], (axis_size, *jnp.shape(x)))
+            return jnp.moveaxis(x, d, 0)
+
+        def batched(key):
+            return jax.tree_util.tree_map(first, res[key], res_dims[key])
+
+        def params(key):  # batched leaves moved to axis 0, shared ones left alone
+            value, dims = res[key], res_dims[key]
+            axes = jax.tree_util.tree_map(lambda x, d: None if d is None else 0, value, dims)
+            moved = jax.tree_util.tree_map(
+                lambda x, d: x if d is None else jnp.moveaxis(x, d, 0), value, dims
+            )
+            return moved, axes
+
+        (pd, pd_axes), (pn, pn_axes) = params("pd"), params("pn")
+        rec, ys, tn, ts = batched("rec"), batched("ys"), batched("tn"), batched("ts")
+        g_ys, ts = jax.vmap(_dense_cotangents)(tn, ts, first(g_ys, g_dims[0]))
+        a0, ct_pd = batched_sweep(
+            (rec["y_cp"], rec["y_last"], rec["k_last"]),
+            g_ys,
+            (pd, pd_axes),
+            (pn, pn_axes),
+            (rec["t"], rec["h"], rec["out_step"], rec["out_theta"], rec["steps"]),
+            **self._sweep_params(),
+        )
+        y0_dims, ts_dims = in_dims[0], in_dims[1]
+        ct_ts = None
+        if tn is None and res["ts_ct"]:
+            times = jax.vmap(
+                lambda *a: _times_cotangent(self.f, *a), (0, 0, pd_axes, pn_axes, 0, 0)
+            )
+            ct_ts = times(ys, ts, pd, pn, g_ys, a0)
+            ct_ts = ct_ts if ts_dims is not None else jnp.sum(ct_ts, axis=0)
+        a0 = a0 if y0_dims is not None else jnp.sum(a0, axis=0)
         return a0, ct_ts, ct_pd, None
+
+    def _sweep_params(self):
+        return dict(f=self.f, loop=self.cfg.loop, every=checkpoint_every(self.cfg.max_steps))
+
+
+def _dense_cotangents(tn, ts, g_ys):
+    """The output cotangents and times for the sweep. With dense output (`tn`, the
+    step times) the rows past the last step repeat its state, so their cotangents all
+    belong to that step."""
+    if tn is None:
+        return g_ys, ts
+    last = jnp.sum(tn < tn[-1])
+    rows = jnp.arange(tn.shape[0])[:, None]
+    tail = jnp.sum(jnp.where(rows > last, g_ys, 0), axis=0)
+    g_ys = jnp.where(rows > last, 0, g_ys) + jnp.where(rows == last, tail, 0)
+    return g_ys, tn
+
+
+def _times_cotangent(f, ys, ts, pd, pn, g_ys, a0):
+    """The cotangent of the output times: `y(t_i)` moves with `t_i` along the flow, and
+    `t_0` moves the whole trajectory."""
+    fs = jax.vmap(f, (0, 0, None, None))(ys, ts, pd, pn)
+    ct_ts = jax.vmap(_dt_cotangent)(fs, g_ys, ts)
+    # ys[0] = y0 does not move with t_0; the later outputs do, by -Phi f(y0, t0).
+    ct_t0 = _dt_cotangent(fs[0], -(a0 - g_ys[0]), ts[0])
+    return ct_ts.at[0].set(ct_t0)
 
 
 def _span_not_differentiable(cfg):
@@ -575,155 +623,6 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
             p_bar = p_bar.real
         ct_pd = unravel_p(p_bar.astype(p_flat.dtype))
     return a, ct_pd
-
-
-# ---------------------------------------------------------------------------
-# The discrete adjoint's backward sweep, as a primitive of its own so that it can be
-# differentiated forward (for `hessian`) and refuses reverse-over-reverse clearly.
-
-
-class _CheckpointSweep(Primitive):
-    """`(y0_bar, pd_bar)`: the cotangent pulled back through the recorded steps.
-
-    Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, latest states)`
-    and `record = (t, h, out_step, out_theta, steps)` (see `_ode_loop.Record`).
-    Params: `f`, `loop` (a `LoopConfig`), `every` (steps between checkpoints).
-    """
-
-    no_vjp_message = (
-        "odeint(adjoint='checkpoint') is differentiable once in reverse mode (and then to "
-        "any order in forward mode, e.g. jax.hessian = jacfwd(jacrev)). For "
-        "reverse-over-reverse (grad of grad), use adjoint='backsolve'."
-    )
-
-    def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every):
-        self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
-        self.out_aval = (jax.ShapeDtypeStruct(g_aval.shape[1:], g_aval.dtype), pd_aval)
-        self.params = dict(f=f, loop=loop, every=every)
-        super().__init__()
-
-    def expand(self, y_cp, g, pd, pn, rec):
-        return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec)
-
-    def jvp(self, primals, tangents):
-        y_cp, g, pd, pn, rec = primals
-        d_cp, d_g, d_pd, _, _ = tangents
-
-        def run(y_cp, g, pd):
-            return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec)
-
-        return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
-
-
-def _sweep(f, loop, every, y_cp, g, pd, pn, rec):
-    y_cp, y_last = y_cp
-    rec_t, rec_h, out_step, out_theta, steps = rec
-    n_out, n = g.shape
-    method = loop.method
-    cap = rec_t.shape[0]
-    window = output_window(n_out, n)
-    field = lambda y, t, params: f(y, t, *params)  # noqa: E731
-
-    def step_with_stages(y, k, pd):
-        # Step `k` replayed from `y` (recomputing f(y, t)), with what its interpolant
-        # is built from: (y1, k_next, ks).
-        k = jnp.minimum(k, cap - 1)
-        t, h = rec_t[k], rec_h[k]
-        k1 = field(y, t, (pd, pn))
-        y1, _, k_next, _, ks = method.step_with_stages(field, y, k1, t, h, (pd, pn), rtol=loop.rtol)
-        return y1, k_next, ks
-
-    def step(y, k, pd):
-        return step_with_stages(y, k, pd)[0]
-
-    def pull_back_step(k, j, active, ys, a, ptr):
-        """The cotangent of the state before step `k`, from `a` (that after it) and
-        the cotangents of the outputs inside the step; moves `ptr` past them."""
-        if not loop.interpolate:
-            # Every output is a step end: at most one lands on this step.
-            hit = active & (ptr >= 1) & (out_step[ptr] == k + 1)
-            a = a + jnp.where(hit, g[ptr], jnp.zeros_like(a))
-            ptr = ptr - hit.astype(ptr.dtype)
-            _, pullback = jax.vjp(lambda y, p: step(y, k, p), ys[j], pd)
-            return pullback(a), ptr
-
-        # Outputs inside the step are interpolants, linear in the basis (y, y1,
-        # k_next, stages): gather their cotangents on that basis, `window` outputs at
-        # a time (the last first), then pull back through the step once.
-        def due(s):
-            ptr = s[0]
-            return active & (ptr >= 1) & (out_step[jnp.maximum(ptr, 0)] == k + 1)
-
-        h = rec_h[jnp.minimum(k, cap - 1)]
-
-        def gather(s):
-            ptr, basis_ct = s
-            back = ptr - jnp.arange(window)
-            rows = jnp.maximum(back, 0)
-            inside = active & (back >= 1) & (out_step[rows] == k + 1)
-            g_in = jnp.where(inside[:, None], g[rows], 0)
-            ct = pull_back_outputs(method, out_theta[rows], g_in, h)
-            return ptr - jnp.sum(inside, dtype=ptr.dtype), basis_ct + ct
-
-        state = (ptr, jnp.zeros((BASIS_STAGES + method.stages, n), g.dtype))
-        if window >= n_out - 1:  # one window holds every output
-            ptr, basis_ct = gather(state)
-        else:
-            ptr, basis_ct = jax.lax.while_loop(lambda s: any_over_batch(due(s)), gather, state)
-        _, pullback = jax.vjp(lambda y, p: step_with_stages(y, k, p), ys[j], pd)
-        ct_stages = [basis_ct[BASIS_STAGES + r] for r in range(method.stages)]
-        da, dp = pullback((a + basis_ct[BASIS_Y1], basis_ct[BASIS_K_NEXT], ct_stages))
-        return (da + basis_ct[BASIS_Y], dp), ptr
-
-    # Segments of `every` steps, last first. The loop counters are the same for every
-    # element of a vmap batch (the bound is the batch's largest step count, and the
-    # steps past an element's own count are masked), so indexing stays a slice.
-    def segment(i, carry):
-        a, p_bar, ptr = carry
-        seg = n_seg - 1 - i
-        k0 = seg * every
-        m = jnp.clip(steps - k0, 0, every)  # this element's steps in the segment
-        # Only as many steps as the longest element has here, not a whole segment:
-        # a short solve (a few dozen steps against `every = sqrt(max_steps)`) replays
-        # just its own steps.
-        m_max = max_over_batch(m)
-        # The last segment's states were kept by the forward pass; the others are
-        # replayed from their checkpoint.
-        kept = seg == (steps - 1) // every
-
-        def forward(j, ys):
-            y1 = step(ys[j], k0 + j, pd)
-            return ys.at[j + 1].set(jnp.where(j + 1 < m, y1, ys[j]))
-
-        ys = jnp.zeros((every, n), y_cp.dtype).at[0].set(y_cp[seg])
-        ys = jax.lax.fori_loop(0, max_over_batch(jnp.where(kept, 0, m)) - 1, forward, ys)
-        ys = jnp.where(kept, y_last, ys)
-
-        def back(jj, c):
-            a, p_bar, ptr = c
-            j = m_max - 1 - jj
-            active = j < m
-            (da, dp), ptr = pull_back_step(k0 + j, j, active, ys, a, ptr)
-            a = jnp.where(active, da, a)
-            p_bar = jax.tree_util.tree_map(lambda pb, d: jnp.where(active, pb + d, pb), p_bar, dp)
-            return a, p_bar, ptr
-
-        return jax.lax.fori_loop(0, m_max, back, (a, p_bar, ptr))
-
-    n_seg = (max_over_batch(steps) + every - 1) // every
-    if loop.interpolate:
-        # The last output reached (rows reached have a step count of at least 1).
-        last = jnp.sum(out_step[1:] > 0)
-    else:
-        # The last output reached (with dense output, the last step's row).
-        last = jnp.minimum(n_out - 1, steps)
-    init = (
-        jnp.zeros((n,), g.dtype),
-        jax.tree_util.tree_map(jnp.zeros_like, pd),
-        last.astype(jnp.int32),
-    )
-    a, p_bar, _ = jax.lax.fori_loop(0, n_seg, segment, init)
-    return a + g[0], p_bar
 
 
 # ---------------------------------------------------------------------------

@@ -308,6 +308,82 @@ def test_user_batch_rule_is_used():
     assert calls == [(5, (0,))]
 
 
+class WeightedSquares(Primitive):
+    """`sum(w * x**2)`: under `vmap` over `x` with `w` shared, the cotangent of `w` is
+    the sum over the batch."""
+
+    def expand(self, x, w):
+        return jnp.sum(w * x**2)
+
+    def vjp_fwd(self, nzs_in, x, w):
+        return self(x, w), (x, w)
+
+    def vjp_bwd_retval(self, res, g):
+        x, w = res
+        return 2 * w * x * g, jnp.sum(x**2) * g
+
+
+def _first(x, d, size):
+    return jnp.broadcast_to(x, (size, *jnp.shape(x))) if d is None else jnp.moveaxis(x, d, 0)
+
+
+class WeightedSquaresWholeBatch(WeightedSquares):
+    calls = []
+
+    def vjp_bwd_batched(self, axis_size, in_dims, res, res_dims, g, g_dims):
+        type(self).calls.append((axis_size, in_dims))
+        x, w = (_first(v, d, axis_size) for v, d in zip(res, res_dims))
+        g = _first(g, g_dims, axis_size)
+        ct_x = 2 * (w * g)[:, None] * x
+        ct_w = jnp.sum(x**2, axis=1) * g
+        return ct_x, (ct_w if in_dims[1] is not None else jnp.sum(ct_w))
+
+
+class WeightedSquaresDeclines(WeightedSquares):
+    def vjp_bwd_batched(self, axis_size, in_dims, res, res_dims, g, g_dims):
+        return None
+
+
+def test_vjp_bwd_batched_takes_the_whole_batch():
+    """A primitive's own backward pass for a whole vmap batch: used for grad of vmap,
+    batch axes not first included; the shared input's cotangent is the summed one."""
+    xs = jnp.arange(12.0).reshape(3, 4) / 10
+    ws = jnp.array([0.5, 2.0, -1.0])
+
+    def loss(cls, xs, w, x_axis=0, w_axis=None):
+        return jax.vmap(cls.apply, (x_axis, w_axis))(xs, w).sum()
+
+    grad = jax.grad(loss, argnums=(1, 2))
+    WeightedSquaresWholeBatch.calls.clear()
+    for args in [(xs, 1.5), (xs, ws, 0, 0), (xs.T, 1.5, 1), (xs.T, ws, 1, 0)]:
+        want = grad(WeightedSquares, *args)
+        for cls in (WeightedSquaresWholeBatch, WeightedSquaresDeclines):
+            got = grad(cls, *args)
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(
+        grad(WeightedSquaresWholeBatch, xs, 1.5)[1], jnp.sum(xs**2), rtol=1e-6
+    )
+    assert [c[1] for c in WeightedSquaresWholeBatch.calls[:4]] == [
+        (0, None),
+        (0, 0),
+        (1, None),
+        (1, 0),
+    ]
+    # vmap of grad maps the one-element rule instead (no batch to take whole).
+    per = jax.vmap(jax.grad(WeightedSquaresWholeBatch.apply, argnums=1), (0, None))(xs, 1.5)
+    np.testing.assert_allclose(per, jnp.sum(xs**2, axis=1), rtol=1e-6)
+
+
+def test_vjp_bwd_batched_must_return_one_cotangent_per_input():
+    class Bad(WeightedSquares):
+        def vjp_bwd_batched(self, axis_size, in_dims, res, res_dims, g, g_dims):
+            return (g,)
+
+    with pytest.raises(TypeError, match="vjp_bwd_batched must return None or a tuple"):
+        jax.grad(lambda x: jax.vmap(Bad.apply, (0, None))(x, 1.0).sum())(jnp.ones((2, 3)))
+
+
 def test_jit_traces_once():
     traces = []
 

@@ -1,0 +1,322 @@
+"""The backward sweep of `odeint(adjoint="checkpoint")`: the discrete adjoint.
+
+The forward pass (`_ode_loop.integrate` with `record`) keeps each accepted step's start
+time and size, the state every `every = sqrt(max_steps)` steps, and the starts of the
+latest `every` steps. The sweep walks the segments of `every` steps last first: it
+recomputes a segment's states from its checkpoint (the last segment's were kept), then
+pulls the cotangent back through each step with one `jax.vjp` of the step. Outputs
+inside a step (`interpolate=True`) are linear in the step's stages, so their
+cotangents join that same pull-back.
+
+The sweep is written for a batch: every array has a leading batch axis, and the loops
+run to the batch's largest step count with the steps past an element's own count
+masked. The primitive for one solve (`CheckpointSweep`) has a batching rule that turns
+`vmap` into one batched sweep (`_BatchedSweep`) instead of mapping a sweep per element.
+What that buys: the parameters of a `vmap`ped solve are usually shared by the batch, and
+the batched sweep takes each step's `vjp` over the whole batch at once, so their
+cotangent is summed over the batch inside each matrix product, never held per element
+(for a `(64, 64)` weight and a batch of 32, a `(32, 64, 64)` array per step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from implicitdiff import Primitive
+from implicitdiff._errors import any_over_batch, max_over_batch
+
+from ._ode_loop import LoopConfig, output_window
+from ._ode_methods import BASIS_K_NEXT, BASIS_STAGES, BASIS_Y, BASIS_Y1, pull_back_outputs
+
+__all__ = ["CheckpointSweep", "batched_sweep"]
+
+_NO_VJP = (
+    "odeint(adjoint='checkpoint') is differentiable once in reverse mode (and then to "
+    "any order in forward mode, e.g. jax.hessian = jacfwd(jacrev)). For "
+    "reverse-over-reverse (grad of grad), use adjoint='backsolve'."
+)
+
+
+class CheckpointSweep(Primitive):
+    """`(y0_bar, pd_bar)` of one solve: the cotangent `g` of its outputs pulled back
+    through the recorded steps.
+
+    Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, latest states)`
+    and `record = (t, h, out_step, out_theta, steps)` (see `_ode_loop.Record`).
+    Params: `f` (the flat field `f(y, t, pd, pn)`), `loop` (the forward solve's
+    `LoopConfig`), `every` (steps between checkpoints).
+    """
+
+    no_vjp_message = _NO_VJP
+
+    def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every):
+        self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
+        self.out_aval = (jax.ShapeDtypeStruct(g_aval.shape[1:], g_aval.dtype), pd_aval)
+        self.params = dict(f=f, loop=loop, every=every)
+        super().__init__()
+
+    def expand(self, y_cp, g, pd, pn, rec):
+        one = lambda x: x[None]  # noqa: E731
+        unbatched = (_axes_like(pd, None), _axes_like(pn, None))
+        a, pd_bar = _sweep(
+            self.f, self.loop, self.every, jax.tree_util.tree_map(one, y_cp), g[None], pd,
+            pn, jax.tree_util.tree_map(one, rec), unbatched,
+        )  # fmt: skip
+        return a[0], pd_bar
+
+    def jvp(self, primals, tangents):
+        y_cp, g, pd, pn, rec = primals
+        d_cp, d_g, d_pd, _, _ = tangents
+        run = lambda y_cp, g, pd: self.expand(y_cp, g, pd, pn, rec)  # noqa: E731
+        return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
+
+    def batch(self, axis_data, args, dims):
+        # `vmap` of the sweep (over cotangents, for `jacrev`, say): the batched sweep
+        # with a cotangent of `pd` per element, the shared parameters broadcast so that
+        # the batched sweep gives each element its own.
+        y_cp, g, pd, pn, rec = args
+        d_cp, d_g, d_pd, d_pn, d_rec = dims
+        size = axis_data.size
+
+        def first(x, d):
+            if d is None:
+                return jnp.broadcast_to(x[None], (size, *x.shape))
+            return jnp.moveaxis(x, d, 0)
+
+        pn_axes = jax.tree_util.tree_map(lambda x, d: None if d is None else 0, pn, d_pn)
+        pn = jax.tree_util.tree_map(lambda x, d: x if d is None else first(x, d), pn, d_pn)
+        pd = jax.tree_util.tree_map(first, pd, d_pd)
+        out = batched_sweep(
+            jax.tree_util.tree_map(first, y_cp, d_cp),
+            first(g, d_g),
+            (pd, _axes_like(pd, 0)),
+            (pn, pn_axes),
+            jax.tree_util.tree_map(first, rec, d_rec),
+            f=self.f,
+            loop=self.loop,
+            every=self.every,
+        )
+        return out, 0
+
+
+def batched_sweep(y_cp, g, pd, pn, rec, *, f, loop, every):
+    """The sweep of a batch of solves: `(y0_bar (batch, n), pd_bar)`. `y_cp`, `g` and
+    `rec` have the batch axis first; `pd = (values, axes)` and `pn = (values, axes)`
+    give each parameter leaf's batch axis (0) or None for a leaf the batch shares,
+    whose cotangent is then summed over the batch."""
+    (pd, pd_axes), (pn, pn_axes) = pd, pn
+    flat = lambda v, axes: tuple(jax.tree_util.tree_structure(v).flatten_up_to(axes))  # noqa: E731
+    return _BatchedSweep.apply(
+        y_cp, g, pd, pn, rec, f=f, loop=loop, every=every,
+        p_axes=(flat(pd, pd_axes), flat(pn, pn_axes)),
+    )  # fmt: skip
+
+
+class _BatchedSweep(Primitive):
+    """`CheckpointSweep` over a batch of solves: a leading batch axis on `y_cp`, `g`
+    and `record`; each leaf of `pd` and `pn` batched (axis 0) or shared, as the param
+    `p_axes = (pd axes, pn axes)` (flat tuples of 0 or None) says. The cotangent of a
+    shared leaf of `pd` is summed over the batch."""
+
+    no_vjp_message = _NO_VJP
+
+    def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every, p_axes):
+        self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
+        self.out_aval = (jax.ShapeDtypeStruct(g_aval.shape[::2], g_aval.dtype), pd_aval)
+        self.params = dict(f=f, loop=loop, every=every, p_axes=p_axes)
+        super().__init__()
+
+    def expand(self, y_cp, g, pd, pn, rec):
+        pd_axes, pn_axes = self.p_axes
+        axes = (_unflatten_like(pd, pd_axes), _unflatten_like(pn, pn_axes))
+        return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec, axes)
+
+    def jvp(self, primals, tangents):
+        y_cp, g, pd, pn, rec = primals
+        d_cp, d_g, d_pd, _, _ = tangents
+        run = lambda y_cp, g, pd: self.expand(y_cp, g, pd, pn, rec)  # noqa: E731
+        return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
+
+
+def _axes_like(tree: Any, axis: int | None) -> Any:
+    return jax.tree_util.tree_map(lambda _: axis, tree)
+
+
+def _unflatten_like(tree: Any, flat_axes: tuple) -> Any:
+    return jax.tree_util.tree_structure(tree).unflatten(list(flat_axes))
+
+
+def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
+    """The batched sweep: `(y0_bar (batch, n), pd_bar)`. Arrays carry a leading batch
+    axis; `p_axes = (pd axes, pn axes)` are pytrees of 0 (batched) or None (shared).
+
+    Each step is pulled back with `f(y, t)` at its start (`k1`) as an input, not
+    recomputed: that value is also the end derivative (`k1_next`) of the step before,
+    so its cotangent is handed to that step, which evaluates `f` there anyway. One
+    field evaluation per step fewer, and one pull-back through `f(y0, t0)` at the end.
+    """
+    y_cp, y_last, k_last = y_cp
+    rec_t, rec_h, out_step, out_theta, steps = rec
+    size, n_out, n = g.shape
+    method = loop.method
+    cap = rec_t.shape[1]
+    window = output_window(n_out, n)
+    pd_axes, pn_axes = p_axes
+    field = lambda y, t, params: f(y, t, *params)  # noqa: E731
+
+    def one_step(y, k1, t, h, pd, pn):
+        # One element's step from `y` with `k1 = f(y, t)`, with what its interpolant is
+        # built from: (y1, k_next, ks).
+        y1, _, k_next, _, ks = method.step_with_stages(field, y, k1, t, h, (pd, pn), rtol=loop.rtol)
+        return y1, k_next, ks
+
+    batch_step = jax.vmap(one_step, (0, 0, 0, 0, pd_axes, pn_axes))
+    batch_field = jax.vmap(f, (0, 0, pd_axes, pn_axes))
+
+    def step_at(k):
+        # Step `k`'s start time and size, per element (the same `k` for all of them).
+        k = jnp.minimum(k, cap - 1)
+        return rec_t[:, k], rec_h[:, k]
+
+    def masked(keep, x):
+        # `x` where `keep` (a leading part of its shape), else 0.
+        return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim)), x, 0)
+
+    def output_cotangents(k, active, ptr):
+        """The cotangents of the outputs inside step `k`, on the interpolant's basis
+        (`(batch, 3 + stages, n)`), and `ptr` moved past them."""
+        h = step_at(k)[1]
+        if window >= n_out - 1:  # one pass over every output
+            inside = active[:, None] & (jnp.arange(n_out) >= 1) & (out_step == k + 1)
+            g_in = masked(inside, g)
+            basis_ct = jax.vmap(lambda th, g, h: pull_back_outputs(method, th, g, h))(
+                out_theta, g_in, h
+            )
+            return basis_ct, ptr - jnp.sum(inside, axis=1, dtype=ptr.dtype)
+
+        # `window` outputs at a time, the last first, while the step holds more.
+        def one_window(ptr, basis_ct, active, out_step, out_theta, g, h):
+            back = ptr - jnp.arange(window)
+            rows = jnp.maximum(back, 0)
+            inside = active & (back >= 1) & (out_step[rows] == k + 1)
+            g_in = jnp.where(inside[:, None], g[rows], 0)
+            ct = pull_back_outputs(method, out_theta[rows], g_in, h)
+            return ptr - jnp.sum(inside, dtype=ptr.dtype), basis_ct + ct
+
+        def due(s):
+            ptr = s[0]
+            here = jnp.take_along_axis(out_step, jnp.maximum(ptr, 0)[:, None], 1)[:, 0]
+            return any_over_batch(jnp.any(active & (ptr >= 1) & (here == k + 1)))
+
+        def gather(s):
+            return jax.vmap(one_window)(*s, active, out_step, out_theta, g, h)
+
+        basis = jnp.zeros((size, BASIS_STAGES + method.stages, n), g.dtype)
+        ptr, basis_ct = jax.lax.while_loop(due, gather, (ptr, basis))
+        return basis_ct, ptr
+
+    def pull_back_step(k, y, k1, active, a, k1_bar, ptr):
+        """Step `k` pulled back: the cotangents of its start `y` and of `k1` from `a`
+        and `k1_bar` (those of its end and of `f` there) and the outputs inside the
+        step; the step's cotangent of `pd`; `ptr` moved past those outputs."""
+        t, h = step_at(k)
+        # A masked element takes a zero step (`y1 = y`, so `a` passes through unchanged
+        # and no stage gets a cotangent) and no cotangent for `f` at its end: it adds
+        # nothing to `pd_bar`, and its own cotangents are restored by the caller.
+        h = jnp.where(active, h, 0)
+        _, pullback = jax.vjp(lambda y, k1, pd: batch_step(y, k1, t, h, pd, pn), y, k1, pd)
+        zeros = jnp.zeros_like(a)
+        if loop.interpolate:
+            basis_ct, ptr = output_cotangents(k, active, ptr)
+            # (The outputs' cotangents are zero for a masked element.)
+            ct_y1 = a + basis_ct[:, BASIS_Y1]
+            ct_k_next = k1_bar + basis_ct[:, BASIS_K_NEXT]
+            ct_ks = [basis_ct[:, BASIS_STAGES + r] for r in range(method.stages)]
+            y_direct = basis_ct[:, BASIS_Y]
+        else:
+            # Every output is a step end: at most one lands on this step.
+            rows = jnp.maximum(ptr, 0)[:, None]
+            here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
+            hit = active & (ptr >= 1) & (here == k + 1)
+            g_hit = jnp.take_along_axis(g, rows[:, :, None], 1)[:, 0]
+            ct_y1, ct_k_next = a + masked(hit, g_hit), k1_bar
+            ct_ks, y_direct = [zeros] * method.stages, zeros
+            ptr = ptr - hit.astype(ptr.dtype)
+        da, dk1, dp = pullback((ct_y1, masked(active, ct_k_next), ct_ks))
+        return da + y_direct, dk1, dp, ptr
+
+    # Segments of `every` steps, last first. The loop counters are the same for every
+    # element (the bounds are the batch's largest counts; `max_over_batch` extends that
+    # to an enclosing vmap), so indexing with them stays a slice.
+    def segment(i, carry):
+        a, k1_bar, pd_bar, ptr = carry
+        seg = n_seg - 1 - i
+        k0 = seg * every
+        m = jnp.clip(steps - k0, 0, every)  # each element's steps in this segment
+        # Only as many steps as the longest element has here, not a whole segment: a
+        # short solve (a few dozen steps against `every = sqrt(max_steps)`) replays
+        # just its own steps.
+        m_max = max_over_batch(jnp.max(m))
+        # The last segment's states were kept by the forward pass; the others are
+        # replayed from their checkpoint.
+        kept = seg == (steps - 1) // every
+
+        def forward(j, c):
+            ys, k1s = c
+            t, h = step_at(k0 + j)
+            y1, k_next, _ = batch_step(ys[:, j], k1s[:, j], t, h, pd, pn)
+            more = (j + 1 < m)[:, None]
+            ys = ys.at[:, j + 1].set(jnp.where(more, y1, ys[:, j]))
+            return ys, k1s.at[:, j + 1].set(jnp.where(more, k_next, k1s[:, j]))
+
+        replay = max_over_batch(jnp.max(jnp.where(kept, 0, m)))
+
+        def replayed():
+            y_start = y_cp[:, seg]
+            k_start = batch_field(y_start, step_at(k0)[0], pd, pn)
+            ys = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(y_start)
+            k1s = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(k_start)
+            return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s))
+
+        # No replay at all (and no field evaluation) when every element kept its states.
+        ys, k1s = jax.lax.cond(replay > 0, replayed, lambda: (y_last, k_last))
+        ys = jnp.where(kept[:, None, None], y_last, ys)
+        k1s = jnp.where(kept[:, None, None], k_last, k1s)
+
+        def back(jj, c):
+            a, k1_bar, pd_bar, ptr = c
+            j = m_max - 1 - jj
+            active = j < m
+            da, dk1, dp, ptr = pull_back_step(k0 + j, ys[:, j], k1s[:, j], active, a, k1_bar, ptr)
+            a = jnp.where(active[:, None], da, a)
+            k1_bar = jnp.where(active[:, None], dk1, k1_bar)
+            # A shared leaf's cotangent is already summed over the batch (the masked
+            # elements added zeros); a batched leaf keeps its own per element.
+            pd_bar = jax.tree_util.tree_map(
+                lambda pb, d, ax: pb + d if ax is None else jnp.where(
+                    active.reshape((size,) + (1,) * (d.ndim - 1)), pb + d, pb
+                ),
+                pd_bar, dp, pd_axes,
+            )  # fmt: skip
+            return a, k1_bar, pd_bar, ptr
+
+        return jax.lax.fori_loop(0, m_max, back, (a, k1_bar, pd_bar, ptr))
+
+    n_seg = (max_over_batch(jnp.max(steps)) + every - 1) // every
+    if loop.interpolate:
+        # The last output reached (rows reached have a step count of at least 1).
+        last = jnp.sum(out_step[:, 1:] > 0, axis=1)
+    else:
+        # The last output reached (with dense output, the last step's row).
+        last = jnp.minimum(n_out - 1, steps)
+    zeros = jnp.zeros((size, n), g.dtype)
+    init = (zeros, zeros, jax.tree_util.tree_map(jnp.zeros_like, pd), last.astype(jnp.int32))
+    a, k1_bar, pd_bar, _ = jax.lax.fori_loop(0, n_seg, segment, init)
+    # The first step's `k1 = f(y0, t0)`.
+    _, pullback = jax.vjp(lambda y, pd: batch_field(y, rec_t[:, 0], pd, pn), y_cp[:, 0], pd)
+    da, dp = pullback(k1_bar)
+    pd_bar = jax.tree_util.tree_map(jnp.add, pd_bar, dp)
+    return a + da + g[:, 0], pd_bar

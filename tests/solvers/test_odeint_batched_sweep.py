@@ -1,0 +1,191 @@
+"""The checkpointed adjoint of a `vmap`ped solve: one backward sweep for the whole batch,
+in which the parameters the batch shares get their cotangent summed inside each step
+(`Primitive.vjp_bwd_batched`), and `vmap` of the sweep itself (`jacrev`).
+
+Every gradient is checked against an independent one: the per-element solves one at a
+time (summed by hand), forward-mode sensitivities (`jacfwd`, a different rule), and
+float64 central differences.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from solvers import odeint
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+TS = np.linspace(0.0, 2.0, 9)
+Y0S = np.array([[1.0, 0.0], [0.2, -0.7], [-1.5, 0.4]])
+KW = {
+    "tsit5": dict(rtol=1e-9, atol=1e-9),  # explicit, first-same-as-last
+    "rk4": dict(dt=0.05),  # fixed step, f at the step's end evaluated separately
+    "kvaerno5": dict(rtol=1e-7, atol=1e-7),  # implicit stages
+}
+
+
+def duffing(y, t, w, c):
+    """A nonlinear oscillator: the step count depends on the initial state."""
+    return jnp.stack([y[1], -(w**2) * y[0] - c * y[0] ** 3 - 0.1 * y[1]])
+
+
+def solve(y0, w, c, method="tsit5", interpolate=True, ts=TS, **kw):
+    return odeint(duffing, y0, jnp.asarray(ts), w, c, method=method, adjoint="checkpoint",
+                  interpolate=interpolate, **{**KW[method], **kw})  # fmt: skip
+
+
+def central(fn, x, eps=1e-6):
+    return (fn(x + eps) - fn(x - eps)) / (2 * eps)
+
+
+@pytest.mark.parametrize("interpolate", [True, False])
+@pytest.mark.parametrize(
+    "method", ["tsit5", "rk4", pytest.param("kvaerno5", marks=pytest.mark.slow)]
+)
+def test_shared_parameters_summed_over_the_batch(x64, method, interpolate):
+    """grad of a batch loss with shared parameters = the sum of the elements' grads,
+    = forward sensitivities; the initial states keep one cotangent each."""
+
+    def loss(y0s, w, c):
+        ys = jax.vmap(lambda y0: solve(y0, w, c, method, interpolate))(y0s)
+        return jnp.sum(jnp.sin(ys))
+
+    y0s = jnp.asarray(Y0S)
+    g_y0, g_w, g_c = jax.grad(loss, argnums=(0, 1, 2))(y0s, 1.3, 0.5)
+
+    def one(y0, w, c):
+        return jnp.sum(jnp.sin(solve(y0, w, c, method, interpolate)))
+
+    per = [jax.grad(one, argnums=(0, 1, 2))(y0, 1.3, 0.5) for y0 in y0s]
+    np.testing.assert_allclose(g_y0, np.stack([p[0] for p in per]), rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(g_w, sum(p[1] for p in per), rtol=1e-10)
+    np.testing.assert_allclose(g_c, sum(p[2] for p in per), rtol=1e-10)
+    # Forward mode (forward sensitivities) is an independent rule.
+    np.testing.assert_allclose(g_w, jax.jacfwd(loss, 1)(y0s, 1.3, 0.5), rtol=1e-8)
+    np.testing.assert_allclose(g_c, jax.jacfwd(loss, 2)(y0s, 1.3, 0.5), rtol=1e-8)
+
+
+def test_elements_with_different_step_counts_and_several_segments(x64):
+    """Elements that take different numbers of steps, with checkpoints every 10 steps
+    (`max_steps=100`), so earlier segments are replayed: against central differences."""
+    y0s = jnp.asarray(Y0S) * jnp.array([[1.0], [0.3], [2.0]])
+    steps = jax.vmap(lambda y0: solve(y0, 1.3, 0.5, max_steps=100, return_info=True)[1].steps)(y0s)
+    assert len(set(np.asarray(steps).tolist())) > 1 and int(steps.max()) > 20
+
+    def loss(w, c=0.5):
+        ys = jax.vmap(lambda y0: solve(y0, w, c, max_steps=100))(y0s)
+        return jnp.sum(ys[:, -1] ** 2) + jnp.sum(ys[:, 3])
+
+    # The discrete adjoint is exact for the computed solution; central differences see
+    # the step sizes move too, so compare at the solve's own tolerance.
+    np.testing.assert_allclose(jax.grad(loss)(1.3), central(loss, 1.3), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-9)
+
+
+def test_batched_parameters_and_a_shared_initial_state(x64):
+    """vmap over the parameters with one initial state: each element's parameter gets
+    its own cotangent, the shared initial state the sum."""
+    ws = jnp.array([0.7, 1.3, 2.2])
+    y0 = jnp.array([0.9, -0.2])
+
+    def loss(y0, ws):
+        return jnp.sum(jax.vmap(lambda w: solve(y0, w, 0.5))(ws) ** 2)
+
+    g_y0, g_ws = jax.grad(loss, argnums=(0, 1))(y0, ws)
+    one = lambda y0, w: jnp.sum(solve(y0, w, 0.5) ** 2)  # noqa: E731
+    per = [jax.grad(one, argnums=(0, 1))(y0, w) for w in ws]
+    np.testing.assert_allclose(g_y0, sum(p[0] for p in per), rtol=1e-10)
+    np.testing.assert_allclose(g_ws, [p[1] for p in per], rtol=1e-10)
+    np.testing.assert_allclose(g_ws, jax.jacfwd(loss, 1)(y0, ws), rtol=1e-8)
+
+
+def test_shared_output_times_get_the_summed_cotangent(x64):
+    def loss(ts):
+        ys = jax.vmap(lambda y0: solve(y0, 1.3, 0.5, ts=ts))(jnp.asarray(Y0S))
+        return jnp.sum(ys[:, :, 0] * jnp.arange(len(TS)))
+
+    ts = jnp.asarray(TS)
+    np.testing.assert_allclose(jax.grad(loss)(ts), jax.jacfwd(loss)(ts), rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.slow
+def test_jacrev_under_vmap_and_vmap_of_jacrev(x64):
+    """jacrev maps the sweep over cotangents (its own batching rule): one cotangent of
+    the parameter per row, not their sum."""
+    y0s = jnp.asarray(Y0S)
+
+    def rows(w, y0):
+        return solve(y0, w, 0.5)[:, 0]
+
+    jac = jax.vmap(jax.jacrev(rows), (None, 0))(1.3, y0s)
+    np.testing.assert_allclose(jac, jax.vmap(jax.jacfwd(rows), (None, 0))(1.3, y0s), rtol=1e-8)
+    jac_y0 = jax.jacrev(lambda y0s: jax.vmap(lambda y0: rows(1.3, y0))(y0s))(y0s)
+    np.testing.assert_allclose(
+        jac_y0, jax.jacfwd(lambda y0s: jax.vmap(lambda y0: rows(1.3, y0))(y0s))(y0s), rtol=1e-8,
+        atol=1e-12,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_hessian_of_a_batch_loss(x64):
+    """Forward over reverse through the batched sweep (its jvp rule)."""
+
+    def loss(p):
+        ys = jax.vmap(lambda y0: solve(y0, p[0], p[1]))(jnp.asarray(Y0S))
+        return jnp.sum(ys**2)
+
+    p = jnp.array([1.3, 0.5])
+    hess = jax.hessian(loss)(p)
+    np.testing.assert_allclose(hess, jax.jacfwd(jax.jacfwd(loss))(p), rtol=1e-7)
+    np.testing.assert_allclose(hess, hess.T, rtol=1e-7)
+
+
+def test_nested_vmap(x64):
+    """Two vmaps: the inner sweep is batched, the outer maps it."""
+    y0s = jnp.asarray(Y0S)
+    ws = jnp.array([1.1, 1.6])
+
+    def loss(ws, c):
+        ys = jax.vmap(lambda w: jax.vmap(lambda y0: solve(y0, w, c))(y0s))(ws)
+        return jnp.sum(ys[..., -1, :] ** 2)
+
+    def one(w, c):  # one outer element, the inner vmap kept
+        return loss(jnp.reshape(w, (1,)), c)
+
+    g = jax.grad(loss, argnums=(0, 1))(ws, 0.5)
+    per = [jax.grad(one, argnums=(0, 1))(w, 0.5) for w in ws]
+    np.testing.assert_allclose(g[0], [p[0] for p in per], rtol=1e-10)
+    np.testing.assert_allclose(g[1], sum(p[1] for p in per), rtol=1e-10)
+
+
+def test_many_outputs_a_few_at_a_time_under_vmap(x64):
+    """More output times than one window holds: the sweep gathers them window by
+    window, each element its own."""
+    ts = np.linspace(0.0, 2.0, 2200)
+
+    def loss(w):
+        ys = jax.vmap(lambda y0: solve(y0, w, 0.5, ts=ts))(jnp.asarray(Y0S))
+        return jnp.mean(ys**2)
+
+    np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-8)
+
+
+def test_float32_pytree_parameters_under_jit():
+    """The NeuralODE case in miniature: float32, parameters in a pytree shared by the
+    batch, under jit; against the per-element sum."""
+    params = {"a": jnp.array([[0.0, 1.0], [-1.0, -0.1]]), "b": jnp.array([0.1, -0.2])}
+
+    def field(y, t, p):
+        return jnp.tanh(p["a"] @ y + p["b"])
+
+    y0s = jnp.asarray(Y0S, jnp.float32)
+    ts = jnp.asarray(TS, jnp.float32)
+
+    def one(p, y0):
+        return jnp.sum(odeint(field, y0, ts, p, interpolate=True, adjoint="checkpoint") ** 2)
+
+    grads = jax.jit(jax.grad(lambda p: jax.vmap(lambda y0: one(p, y0))(y0s).sum()))(params)
+    per = [jax.grad(one)(params, y0) for y0 in y0s]
+    for k in params:
+        np.testing.assert_allclose(grads[k], sum(p[k] for p in per), rtol=2e-5, atol=1e-6)
