@@ -2,20 +2,21 @@
 
 The forward pass (`_ode_loop.integrate` with `record`) keeps each accepted step's start
 time and size, the state every `every = sqrt(max_steps)` steps, and the starts of the
-latest `every` steps. The sweep walks the segments of `every` steps last first: it
-recomputes a segment's states from its checkpoint (the last segment's were kept), then
-pulls the cotangent back through each step with one `jax.vjp` of the step. Outputs
-inside a step (`interpolate=True`) are linear in the step's stages, so their
+latest `every` steps with `f` there. The sweep walks the segments of `every` steps last
+first: it recomputes a segment's states from its checkpoint (the last segment's were
+kept), then pulls the cotangent back through each step with one `jax.vjp` of the step.
+Outputs inside a step (`interpolate=True`) are linear in the step's stages, so their
 cotangents join that same pull-back.
 
 The sweep is written for a batch: every array has a leading batch axis, and the loops
 run to the batch's largest step count with the steps past an element's own count
-masked. The primitive for one solve (`CheckpointSweep`) has a batching rule that turns
-`vmap` into one batched sweep (`_BatchedSweep`) instead of mapping a sweep per element.
-What that buys: the parameters of a `vmap`ped solve are usually shared by the batch, and
-the batched sweep takes each step's `vjp` over the whole batch at once, so their
-cotangent is summed over the batch inside each matrix product, never held per element
-(for a `(64, 64)` weight and a batch of 32, a `(32, 64, 64)` array per step).
+masked. One solve is a batch of one (`CheckpointSweep`); `vmap` of it is one batched
+sweep (`_BatchedSweep`), not a sweep mapped per element. The gradient of a `vmap`ped
+solve (a training batch) calls the batched sweep directly
+(`_ODESolve.vjp_bwd_batched`) with the parameters the batch shares left shared: each
+step's `vjp` is then taken over the whole batch at once, so their cotangent is summed
+over the batch inside each matrix product and never held per element (for a
+`(64, 64)` weight and a batch of 32, that would be a `(32, 64, 64)` array per step).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class CheckpointSweep(Primitive):
     """`(y0_bar, pd_bar)` of one solve: the cotangent `g` of its outputs pulled back
     through the recorded steps.
 
-    Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, latest states)`
-    and `record = (t, h, out_step, out_theta, steps)` (see `_ode_loop.Record`).
+    Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, latest states, f
+    at them)` and `record = (t, h, out_step, out_theta, steps)` (see
+    `_ode_loop.Record`).
     Params: `f` (the flat field `f(y, t, pd, pn)`), `loop` (the forward solve's
     `LoopConfig`), `every` (steps between checkpoints).
     """
