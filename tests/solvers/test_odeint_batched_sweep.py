@@ -141,6 +141,7 @@ def test_hessian_of_a_batch_loss(x64):
     np.testing.assert_allclose(hess, hess.T, rtol=1e-7)
 
 
+@pytest.mark.slow
 def test_nested_vmap(x64):
     """Two vmaps: the inner sweep is batched, the outer maps it."""
     y0s = jnp.asarray(Y0S)
