@@ -32,7 +32,7 @@ from implicitdiff._errors import any_over_batch, max_over_batch
 from ._ode_loop import LoopConfig, output_window
 from ._ode_methods import BASIS_K_NEXT, BASIS_STAGES, BASIS_Y, BASIS_Y1, pull_back_outputs
 
-__all__ = ["CheckpointSweep", "batched_sweep"]
+__all__ = ["CheckpointSweep", "batch_first", "batched_sweep", "shared_or_first"]
 
 _NO_VJP = (
     "odeint(adjoint='checkpoint') is differentiable once in reverse mode (and then to "
@@ -41,7 +41,35 @@ _NO_VJP = (
 )
 
 
-class CheckpointSweep(Primitive):
+class _Sweep(Primitive):
+    """What both sweeps share: forward mode through the sweep's own code (`hessian` =
+    `jacfwd(jacrev)`), and a clear refusal of reverse-over-reverse."""
+
+    no_vjp_message = _NO_VJP
+
+    def jvp(self, primals, tangents):
+        y_cp, g, pd, pn, rec = primals
+        d_cp, d_g, d_pd, _, _ = tangents
+        run = lambda y_cp, g, pd: self.expand(y_cp, g, pd, pn, rec)  # noqa: E731
+        return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
+
+
+def batch_first(x, d, size):
+    """`x` with its batch axis `d` first, or broadcast to a leading axis of `size` when
+    it has none (`d` None)."""
+    if d is None:
+        return jnp.broadcast_to(x[None], (size, *jnp.shape(x)))
+    return jnp.moveaxis(x, d, 0)
+
+
+def shared_or_first(p, dims):
+    """A parameter pytree for the batched sweep: `(values, axes)` with each batched
+    leaf's batch axis moved first (axis 0) and each shared leaf (None) left alone."""
+    values = jax.tree_util.tree_map(lambda x, d: x if d is None else jnp.moveaxis(x, d, 0), p, dims)
+    return values, jax.tree_util.tree_map(lambda x, d: None if d is None else 0, p, dims)
+
+
+class CheckpointSweep(_Sweep):
     """`(y0_bar, pd_bar)` of one solve: the cotangent `g` of its outputs pulled back
     through the recorded steps.
 
@@ -51,8 +79,6 @@ class CheckpointSweep(Primitive):
     Params: `f` (the flat field `f(y, t, pd, pn)`), `loop` (the forward solve's
     `LoopConfig`), `every` (steps between checkpoints).
     """
-
-    no_vjp_message = _NO_VJP
 
     def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every):
         self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
@@ -69,12 +95,6 @@ class CheckpointSweep(Primitive):
         )  # fmt: skip
         return a[0], pd_bar
 
-    def jvp(self, primals, tangents):
-        y_cp, g, pd, pn, rec = primals
-        d_cp, d_g, d_pd, _, _ = tangents
-        run = lambda y_cp, g, pd: self.expand(y_cp, g, pd, pn, rec)  # noqa: E731
-        return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
-
     def batch(self, axis_data, args, dims):
         # `vmap` of the sweep (over cotangents, for `jacrev`, say): the batched sweep
         # with a cotangent of `pd` per element, the shared parameters broadcast so that
@@ -82,20 +102,13 @@ class CheckpointSweep(Primitive):
         y_cp, g, pd, pn, rec = args
         d_cp, d_g, d_pd, d_pn, d_rec = dims
         size = axis_data.size
-
-        def first(x, d):
-            if d is None:
-                return jnp.broadcast_to(x[None], (size, *x.shape))
-            return jnp.moveaxis(x, d, 0)
-
-        pn_axes = jax.tree_util.tree_map(lambda x, d: None if d is None else 0, pn, d_pn)
-        pn = jax.tree_util.tree_map(lambda x, d: x if d is None else first(x, d), pn, d_pn)
+        first = lambda x, d: batch_first(x, d, size)  # noqa: E731
         pd = jax.tree_util.tree_map(first, pd, d_pd)
         out = batched_sweep(
             jax.tree_util.tree_map(first, y_cp, d_cp),
             first(g, d_g),
             (pd, _axes_like(pd, 0)),
-            (pn, pn_axes),
+            shared_or_first(pn, d_pn),
             jax.tree_util.tree_map(first, rec, d_rec),
             f=self.f,
             loop=self.loop,
@@ -117,13 +130,11 @@ def batched_sweep(y_cp, g, pd, pn, rec, *, f, loop, every):
     )  # fmt: skip
 
 
-class _BatchedSweep(Primitive):
+class _BatchedSweep(_Sweep):
     """`CheckpointSweep` over a batch of solves: a leading batch axis on `y_cp`, `g`
     and `record`; each leaf of `pd` and `pn` batched (axis 0) or shared, as the param
     `p_axes = (pd axes, pn axes)` (flat tuples of 0 or None) says. The cotangent of a
     shared leaf of `pd` is summed over the batch."""
-
-    no_vjp_message = _NO_VJP
 
     def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every, p_axes):
         self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
@@ -135,12 +146,6 @@ class _BatchedSweep(Primitive):
         pd_axes, pn_axes = self.p_axes
         axes = (_unflatten_like(pd, pd_axes), _unflatten_like(pn, pn_axes))
         return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec, axes)
-
-    def jvp(self, primals, tangents):
-        y_cp, g, pd, pn, rec = primals
-        d_cp, d_g, d_pd, _, _ = tangents
-        run = lambda y_cp, g, pd: self.expand(y_cp, g, pd, pn, rec)  # noqa: E731
-        return jax.jvp(run, (y_cp, g, pd), (d_cp, d_g, d_pd))
 
 
 def _axes_like(tree: Any, axis: int | None) -> Any:

@@ -45,7 +45,7 @@ from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
 from ._checks import not_in_checked_shard_map, static_bool, static_int
 from ._info import SUCCESS
-from ._ode_checkpoint import CheckpointSweep, batched_sweep
+from ._ode_checkpoint import CheckpointSweep, batch_first, batched_sweep, shared_or_first
 from ._ode_loop import LoopConfig, checkpoint_every, integrate
 from ._ode_methods import ADAPTIVE, FIXED, METHODS
 from ._ode_solution import ODESolution, step_polynomials
@@ -460,15 +460,8 @@ class _ODESolve(Primitive):
         if self.cfg.adjoint == "backsolve":
             a0, ct_pd = _backsolve(self.f, self.cfg, ys, ts, pd, pn, g_ys)
         else:
-            rec = res["rec"]
-            a0, ct_pd = CheckpointSweep.apply(
-                (rec["y_cp"], rec["y_last"], rec["k_last"]),
-                g_ys,
-                pd,
-                pn,
-                (rec["t"], rec["h"], rec["out_step"], rec["out_theta"], rec["steps"]),
-                **self._sweep_params(),
-            )
+            states, steps = _record_parts(res["rec"])
+            a0, ct_pd = CheckpointSweep.apply(states, g_ys, pd, pn, steps, **self._sweep_params())
         if res["tn"] is not None or not res["ts_ct"]:
             return a0, None, ct_pd, None
         return a0, _times_cotangent(self.f, ys, ts, pd, pn, g_ys, a0), ct_pd, None
@@ -481,32 +474,18 @@ class _ODESolve(Primitive):
         if self.cfg.adjoint != "checkpoint" or isinstance(g_ys, Zero):
             return None
 
-        def first(x, d):  # the batch axis first, broadcast if absent
-            if d is None:
-                return jnp.broadcast_to(x[None], (axis_size, *jnp.shape(x)))
-            return jnp.moveaxis(x, d, 0)
+        first = lambda x, d: batch_first(x, d, axis_size)  # noqa: E731
 
         def batched(key):
             return jax.tree_util.tree_map(first, res[key], res_dims[key])
 
-        def params(key):  # batched leaves moved to axis 0, shared ones left alone
-            value, dims = res[key], res_dims[key]
-            axes = jax.tree_util.tree_map(lambda x, d: None if d is None else 0, value, dims)
-            moved = jax.tree_util.tree_map(
-                lambda x, d: x if d is None else jnp.moveaxis(x, d, 0), value, dims
-            )
-            return moved, axes
-
-        (pd, pd_axes), (pn, pn_axes) = params("pd"), params("pn")
+        pd, pd_axes = shared_or_first(res["pd"], res_dims["pd"])
+        pn, pn_axes = shared_or_first(res["pn"], res_dims["pn"])
         rec, ys, tn, ts = batched("rec"), batched("ys"), batched("tn"), batched("ts")
         g_ys, ts = jax.vmap(_dense_cotangents)(tn, ts, first(g_ys, g_dims[0]))
+        states, steps = _record_parts(rec)
         a0, ct_pd = batched_sweep(
-            (rec["y_cp"], rec["y_last"], rec["k_last"]),
-            g_ys,
-            (pd, pd_axes),
-            (pn, pn_axes),
-            (rec["t"], rec["h"], rec["out_step"], rec["out_theta"], rec["steps"]),
-            **self._sweep_params(),
+            states, g_ys, (pd, pd_axes), (pn, pn_axes), steps, **self._sweep_params()
         )
         y0_dims, ts_dims = in_dims[0], in_dims[1]
         ct_ts = None
@@ -521,6 +500,12 @@ class _ODESolve(Primitive):
 
     def _sweep_params(self):
         return dict(f=self.f, loop=self.cfg.loop, every=checkpoint_every(self.cfg.max_steps))
+
+
+def _record_parts(rec):
+    """A `Record` as the sweep takes it: the kept states, and the steps and outputs."""
+    states = (rec["y_cp"], rec["y_last"], rec["k_last"])
+    return states, (rec["t"], rec["h"], rec["out_step"], rec["out_theta"], rec["steps"])
 
 
 def _dense_cotangents(tn, ts, g_ys):
