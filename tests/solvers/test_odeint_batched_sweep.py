@@ -39,9 +39,16 @@ def central(fn, x, eps=1e-6):
     return (fn(x + eps) - fn(x - eps)) / (2 * eps)
 
 
-@pytest.mark.parametrize("interpolate", [True, False])
 @pytest.mark.parametrize(
-    "method", ["tsit5", "rk4", pytest.param("kvaerno5", marks=pytest.mark.slow)]
+    "method, interpolate",
+    [
+        ("tsit5", True),
+        ("tsit5", False),
+        pytest.param("rk4", True, marks=pytest.mark.slow),
+        pytest.param("rk4", False, marks=pytest.mark.slow),
+        pytest.param("kvaerno5", True, marks=pytest.mark.slow),
+        pytest.param("kvaerno5", False, marks=pytest.mark.slow),
+    ],
 )
 def test_shared_parameters_summed_over_the_batch(x64, method, interpolate):
     """grad of a batch loss with shared parameters = the sum of the elements' grads,
@@ -172,6 +179,7 @@ def test_many_outputs_a_few_at_a_time_under_vmap(x64):
     np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-8)
 
 
+@pytest.mark.slow
 def test_float32_pytree_parameters_under_jit():
     """The NeuralODE case in miniature: float32, parameters in a pytree shared by the
     batch, under jit; against the per-element sum."""
