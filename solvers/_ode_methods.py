@@ -227,18 +227,15 @@ def pull_back_outputs(m: Method, theta, g, h):
     contribute nothing."""
     end = (theta >= 1)[:, None]
     w = output_weights(m)  # (basis, powers)
-    th = jnp.asarray(theta, g.dtype)
     # The cotangent of each polynomial coefficient, the sum over rows of theta**p g:
     # one small reduction per power (the powers by repeated products, not `**`). A
-    # single reduction over a stacked (rows, powers, n) product is several times
-    # slower on CPU.
-    inner = jnp.where(end, 0, g)
-    th = th[:, None]
-    poly = [jnp.sum(inner, axis=0)]
-    power = th
+    # single reduction over a stacked (rows, powers, n) product is slower on CPU.
+    th = jnp.asarray(theta, g.dtype)[:, None]
+    weighted = jnp.where(end, 0, g)  # theta**0 g
+    poly = [jnp.sum(weighted, axis=0)]
     for _ in range(w.shape[1] - 1):
-        poly.append(jnp.sum(power * inner, axis=0))
-        power = power * th
+        weighted = weighted * th
+        poly.append(jnp.sum(weighted, axis=0))
     h = jnp.asarray(h, g.dtype)
     zero = jnp.zeros_like(poly[0])
     ct = []
