@@ -30,7 +30,15 @@ from implicitdiff import Primitive
 from implicitdiff._errors import any_over_batch, max_over_batch
 
 from ._ode_loop import LoopConfig, output_window
-from ._ode_methods import BASIS_K_NEXT, BASIS_STAGES, BASIS_Y, BASIS_Y1, pull_back_outputs
+from ._ode_methods import (
+    BASIS_K_NEXT,
+    BASIS_STAGES,
+    BASIS_Y,
+    BASIS_Y1,
+    basis_from_moments,
+    output_moments,
+    pull_back_outputs,
+)
 
 __all__ = ["CheckpointSweep", "batch_first", "batched_sweep", "shared_or_first"]
 
@@ -148,6 +156,11 @@ class _BatchedSweep(_Sweep):
         return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec, axes)
 
 
+# The most numbers (`n_out * n`) for which the sweep sums the outputs' cotangents per
+# step before it starts (`_sweep`), instead of a few rows at a time at each step.
+_GROUPED_MAX = 4096
+
+
 def _axes_like(tree: Any, axis: int | None) -> Any:
     return jax.tree_util.tree_map(lambda _: axis, tree)
 
@@ -192,17 +205,34 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # `x` where `keep` (a leading part of its shape), else 0.
         return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim)), x, 0)
 
+    if loop.interpolate and n_out * n <= _GROUPED_MAX:
+        # Few numbers in all: the outputs' moments (`output_moments`) are summed per
+        # step once, before the sweep, each step's sum kept in its last row; a step
+        # then gathers one row, and `ptr` jumps to the row before its first.
+        rows = jnp.arange(n_out)
+        reached = (rows >= 1) & (out_step >= 1)
+        # Row 0 first, then the reached rows by step (in order), then those not reached.
+        key = jnp.where(rows == 0, 0, jnp.where(reached, out_step, jnp.iinfo(jnp.int32).max))
+        first = jax.vmap(lambda k: jnp.searchsorted(k, k, side="left"))(key).astype(jnp.int32)
+        last_of = jax.vmap(lambda k: jnp.searchsorted(k, k, side="right") - 1)(key)
+        g_reached = masked(reached, g)
+        moments = jax.vmap(lambda th, g: output_moments(method, th, g))(out_theta, g_reached)
+        grouped = jax.vmap(lambda m, i: jnp.zeros_like(m).at[i].add(m))(moments, last_of)
+    else:
+        grouped = None
+
     def output_cotangents(k, active, ptr):
         """The cotangents of the outputs inside step `k`, on the interpolant's basis
         (`(batch, 3 + stages, n)`), and `ptr` moved past them."""
         h = step_at(k)[1]
-        if window >= n_out - 1:  # one pass over every output
-            inside = active[:, None] & (jnp.arange(n_out) >= 1) & (out_step == k + 1)
-            g_in = masked(inside, g)
-            basis_ct = jax.vmap(lambda th, g, h: pull_back_outputs(method, th, g, h))(
-                out_theta, g_in, h
-            )
-            return basis_ct, ptr - jnp.sum(inside, axis=1, dtype=ptr.dtype)
+        if grouped is not None:
+            rows = jnp.maximum(ptr, 0)[:, None]
+            here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
+            hit = active & (ptr >= 1) & (here == k + 1)
+            sums = masked(hit, jnp.take_along_axis(grouped, rows[:, :, None, None], 1)[:, 0])
+            basis_ct = jax.vmap(lambda m, h: basis_from_moments(method, m, h))(sums, h)
+            below = jnp.take_along_axis(first, rows, 1)[:, 0] - 1
+            return basis_ct, jnp.where(hit, below, ptr)
 
         # `window` outputs at a time, the last first, while the step holds more.
         def one_window(ptr, basis_ct, active, out_step, out_theta, g, h):

@@ -36,6 +36,8 @@ __all__ = [
     "step_coefficients",
     "evaluate_step",
     "pull_back_outputs",
+    "output_moments",
+    "basis_from_moments",
 ]
 
 
@@ -226,24 +228,49 @@ def pull_back_outputs(m: Method, theta, g, h):
     cotangents `g` (rows, n) of the outputs at `theta` (rows,); rows with a zero `g`
     contribute nothing."""
     end = (theta >= 1)[:, None]
-    w = output_weights(m)  # (basis, powers)
     # The cotangent of each polynomial coefficient, the sum over rows of theta**p g:
     # one small reduction per power (the powers by repeated products, not `**`). A
     # single reduction over a stacked (rows, powers, n) product is slower on CPU.
     th = jnp.asarray(theta, g.dtype)[:, None]
     weighted = jnp.where(end, 0, g)  # theta**0 g
-    poly = [jnp.sum(weighted, axis=0)]
-    for _ in range(w.shape[1] - 1):
+    moments = [jnp.sum(weighted, axis=0)]
+    for _ in range(output_weights(m).shape[1] - 1):
         weighted = weighted * th
-        poly.append(jnp.sum(weighted, axis=0))
-    h = jnp.asarray(h, g.dtype)
+        moments.append(jnp.sum(weighted, axis=0))
+    moments.append(jnp.sum(jnp.where(end, g, 0), axis=0))
+    return basis_from_moments(m, jnp.stack(moments), h)
+
+
+def output_moments(m: Method, theta, g):
+    """`pull_back_outputs` before its sum over rows: each row's `theta**p g` for every
+    power `p` of the interpolant (zero at `theta >= 1`), then `g` itself where `theta
+    >= 1` (an output on the step's end), as a `(rows, powers + 1, n)` array. Summed
+    over a step's rows, `basis_from_moments` turns it into that step's cotangents."""
+    end = (theta >= 1)[:, None]
+    th = jnp.asarray(theta, g.dtype)[:, None]
+    weighted = jnp.where(end, 0, g)
+    moments = [weighted]
+    for _ in range(output_weights(m).shape[1] - 1):
+        weighted = weighted * th
+        moments.append(weighted)
+    moments.append(jnp.where(end, g, 0))
+    return jnp.stack(moments, axis=1)
+
+
+def basis_from_moments(m: Method, moments, h):
+    """The cotangents of the basis `[y, y1, k1_next, k_1, ..., k_s]` (`(3 + stages,
+    n)`) from the moments of a step's output cotangents (`(powers + 1, n)`, see
+    `output_moments`) and the step size `h`."""
+    w = output_weights(m)  # (basis, powers)
+    poly = [moments[p] for p in range(w.shape[1])]
+    h = jnp.asarray(h, moments.dtype)
     zero = jnp.zeros_like(poly[0])
     ct = []
     for r in range(w.shape[0]):
         c = _weighted_sum(w[r], poly)
         c = zero if c is None else c
         if r == BASIS_Y1:
-            c = c + jnp.sum(jnp.where(end, g, 0), axis=0)
+            c = c + moments[-1]
         ct.append(c * h if r >= BASIS_K_NEXT else c)
     return jnp.stack(ct)
 

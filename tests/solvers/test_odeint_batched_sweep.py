@@ -43,7 +43,7 @@ def central(fn, x, eps=1e-6):
     "method, interpolate",
     [
         ("tsit5", True),
-        ("tsit5", False),
+        pytest.param("tsit5", False, marks=pytest.mark.slow),
         pytest.param("rk4", True, marks=pytest.mark.slow),
         pytest.param("rk4", False, marks=pytest.mark.slow),
         pytest.param("kvaerno5", True, marks=pytest.mark.slow),

@@ -24,6 +24,7 @@ KW = {
 # Tolerance of the outputs against the closed form: the interpolant's own accuracy
 # (the cubic Hermite of Bosh3/Kvaerno5/RK4 is fourth order, Euler's first).
 VALUE_TOL = {**{m: 1e-6 for m in ADAPTIVE}, "rk4": 1e-4, "euler": 2e-2}
+SLOW = ("dopri8", "kvaerno5")
 W = 1.3
 TS = np.linspace(0.0, 3.0, 61)  # many outputs per step
 
@@ -76,7 +77,11 @@ def test_same_as_dense_output_evaluated_at_the_times(x64, method):
     np.testing.assert_allclose(ys, sol.evaluate(jnp.asarray(TS)), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("method", list(KW))
+# Dopri8 and Kvaerno5 (the slowest to compile) run with the slow suite.
+@pytest.mark.parametrize(
+    "method",
+    [m if m not in SLOW else pytest.param(m, marks=pytest.mark.slow) for m in KW],
+)
 def test_checkpoint_gradient_is_exact_for_the_interpolated_outputs(x64, method):
     """The discrete adjoint through the interpolants against forward sensitivities (an
     independent rule: the tangent is integrated with the state): equal to rounding,
@@ -91,8 +96,11 @@ def test_checkpoint_gradient_is_exact_for_the_interpolated_outputs(x64, method):
     fwd = jax.jacfwd(loss, argnums=(0, 1))(y0, W)
     np.testing.assert_allclose(rev[0], fwd[0], rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(rev[1], fwd[1], rtol=1e-11, atol=1e-11)
-    # Central differences of the same computed outputs (steps held by the tolerance).
-    eps = 1e-6
+    # Central differences of the same computed outputs. The steps follow `w` here (the
+    # controller is not held), and a step decision that flips between `w - eps` and
+    # `w + eps` moves the loss by about the tolerance; a wider `eps` keeps that jump
+    # small in the quotient (the truncation error stays near 1e-8 relative).
+    eps = 1e-4
     fd = (loss(y0, W + eps) - loss(y0, W - eps)) / (2 * eps)
     np.testing.assert_allclose(rev[1], fd, rtol=1e-5)
     if method != "euler":  # the continuous adjoint, to the solver's accuracy
