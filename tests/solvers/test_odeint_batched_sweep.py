@@ -179,6 +179,28 @@ def test_many_outputs_a_few_at_a_time_under_vmap(x64):
     np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-8)
 
 
+def test_outputs_summed_per_step_first_or_window_by_window(x64, monkeypatch):
+    """The two ways the sweep collects the outputs' cotangents: summed per step before
+    it starts (few numbers: the default here) or a few rows at a time at each step
+    (forced by `_GROUPED_MAX = 0`). Both against forward mode, with output times
+    bunched at the start (several per step) and spread at the end (steps with none)."""
+    import solvers._ode_checkpoint as sweep
+
+    ts = np.concatenate([np.linspace(0.0, 0.3, 12), [0.9, 1.7, 2.0]])
+
+    def loss(w, c):
+        ys = jax.vmap(lambda y0: solve(y0, w, c, ts=ts))(jnp.asarray(Y0S))
+        return jnp.sum(jnp.sin(ys) * jnp.arange(1, 1 + ys.shape[1])[None, :, None])
+
+    fwd = jax.jacfwd(loss, argnums=(0, 1))(1.3, 0.5)
+    grads = []
+    for cap in (sweep._GROUPED_MAX, 0):
+        monkeypatch.setattr(sweep, "_GROUPED_MAX", cap)
+        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1)))(1.3, 0.5))
+        np.testing.assert_allclose(grads[-1], fwd, rtol=1e-9)
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
+
+
 @pytest.mark.slow
 def test_float32_pytree_parameters_under_jit():
     """The NeuralODE case in miniature: float32, parameters in a pytree shared by the
