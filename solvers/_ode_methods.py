@@ -227,18 +227,10 @@ def pull_back_outputs(m: Method, theta, g, h):
     the basis `[y, y1, k1_next, k_1, ..., k_s]` (a `(3 + stages, n)` array) given the
     cotangents `g` (rows, n) of the outputs at `theta` (rows,); rows with a zero `g`
     contribute nothing."""
-    end = (theta >= 1)[:, None]
-    # The cotangent of each polynomial coefficient, the sum over rows of theta**p g:
-    # one small reduction per power (the powers by repeated products, not `**`). A
-    # single reduction over a stacked (rows, powers, n) product is slower on CPU.
-    th = jnp.asarray(theta, g.dtype)[:, None]
-    weighted = jnp.where(end, 0, g)  # theta**0 g
-    moments = [jnp.sum(weighted, axis=0)]
-    for _ in range(output_weights(m).shape[1] - 1):
-        weighted = weighted * th
-        moments.append(jnp.sum(weighted, axis=0))
-    moments.append(jnp.sum(jnp.where(end, g, 0), axis=0))
-    return basis_from_moments(m, jnp.stack(moments), h)
+    # One small reduction per moment: a single reduction over the stacked (rows,
+    # powers, n) moments is slower on CPU.
+    sums = [jnp.sum(x, axis=0) for x in _row_moments(m, theta, g)]
+    return basis_from_moments(m, jnp.stack(sums), h)
 
 
 def output_moments(m: Method, theta, g):
@@ -246,15 +238,20 @@ def output_moments(m: Method, theta, g):
     power `p` of the interpolant (zero at `theta >= 1`), then `g` itself where `theta
     >= 1` (an output on the step's end), as a `(rows, powers + 1, n)` array. Summed
     over a step's rows, `basis_from_moments` turns it into that step's cotangents."""
+    return jnp.stack(_row_moments(m, theta, g), axis=1)
+
+
+def _row_moments(m: Method, theta, g):
+    # The list behind `output_moments` (the powers by repeated products, not `**`).
     end = (theta >= 1)[:, None]
     th = jnp.asarray(theta, g.dtype)[:, None]
-    weighted = jnp.where(end, 0, g)
+    weighted = jnp.where(end, 0, g)  # theta**0 g
     moments = [weighted]
     for _ in range(output_weights(m).shape[1] - 1):
         weighted = weighted * th
         moments.append(weighted)
     moments.append(jnp.where(end, g, 0))
-    return jnp.stack(moments, axis=1)
+    return moments
 
 
 def basis_from_moments(m: Method, moments, h):
