@@ -223,11 +223,19 @@ def node_rows(s: dict[str, Any]) -> list[Row]:
     field = Field(eqx.nn.MLP(2, 2, 64, 2, activation=jax.nn.softplus, key=k1))
     y0s = jax.random.uniform(k2, (s["ode_batch"], 2), minval=-0.6, maxval=1.0)
     ts = jnp.linspace(0.0, s["t1"], s["ode_times"])
-    c, sn = jnp.cos(ts)[:, None], jnp.sin(ts)[:, None]
-    # The target: the rotation y' = (y1, -y0), y(t) = (a cos t + b sin t, b cos t - a sin t).
-    target = jax.vmap(lambda y: jnp.concatenate([y[0] * c + y[1] * sn, y[1] * c - y[0] * sn], 1))(
-        y0s
-    )
+
+    def rotation(times):
+        # The target: the rotation y' = (y1, -y0), y(t) = (a cos t + b sin t, b cos t - a sin t).
+        c, sn = jnp.cos(times)[:, None], jnp.sin(times)[:, None]
+        return jax.vmap(lambda y: jnp.concatenate([y[0] * c + y[1] * sn, y[1] * c - y[0] * sn], 1))(
+            y0s
+        )
+
+    target = rotation(ts)
+    # Accepted steps per solve (the same forward pass for both adjoints of a library).
+    node = NeuralODE(field, method="tsit5", rtol=ODE_RTOL, atol=ODE_ATOL)
+    ours_steps = jax.vmap(lambda y0: node(y0, ts, return_info=True)[1].steps)(y0s)
+    n_fixed = int(jnp.max(ours_steps))
 
     def ours(adjoint):
         node = NeuralODE(field, method="tsit5", adjoint=adjoint, rtol=ODE_RTOL, atol=ODE_ATOL)
@@ -258,7 +266,11 @@ def node_rows(s: dict[str, Any]) -> list[Row]:
             (lambda: peer(diffrax.RecursiveCheckpointAdjoint())) if diffrax else None
         ),
         "diffrax (Backsolve)": (lambda: peer(diffrax.BacksolveAdjoint())) if diffrax else None,
+        # What the same arithmetic costs with nothing else: see `fixed_steps`.
+        FLOOR_REMAT: lambda: fixed_steps(n_fixed, s["t1"], remat=True),
+        FLOOR_KEPT: lambda: fixed_steps(n_fixed, s["t1"], remat=False),
     }
+    fixed_target = rotation(jnp.linspace(0.0, s["t1"], n_fixed + 1)[1:])
     params, static = eqx.partition(field, eqx.is_inexact_array)
     fns, grads, rows = {}, {}, {}
     for name, build in methods.items():
@@ -276,16 +288,14 @@ def node_rows(s: dict[str, Any]) -> list[Row]:
             return jax.value_and_grad(loss)(p)
 
         log(f"  NeuralODE, {name}")
-        fn, grad = compile_step(row, step, params, y0s, target)
+        floor = name in (FLOOR_REMAT, FLOOR_KEPT)
+        fn, grad = compile_step(row, step, params, y0s, fixed_target if floor else target)
         if fn is not None:
             fns[name], grads[name] = fn, grad
             log(f"      compiled in {row.compile_s:.1f} s, temp {_mib(row.temp_bytes)} MiB")
     for name, t in interleaved(fns, s["rounds"], s["block"], s["budget"]).items():
         rows[name].run_s = t
-    # Accepted steps per solve (the same forward pass for both adjoints of a library).
-    node = NeuralODE(field, method="tsit5", rtol=ODE_RTOL, atol=ODE_ATOL)
-    ours_steps = jax.vmap(lambda y0: node(y0, ts, return_info=True)[1].steps)(y0s)
-    counts = {"ours": float(jnp.mean(ours_steps))}
+    counts = {"ours": float(jnp.mean(ours_steps)), "floor:": float(n_fixed)}
     if diffrax:
         sol = jax.vmap(
             lambda y0: diffrax.diffeqsolve(
@@ -299,9 +309,47 @@ def node_rows(s: dict[str, Any]) -> list[Row]:
         row.steps = counts.get(name.split()[0])
     ref = grads.get("diffrax (RecursiveCheckpoint)", grads.get("ours (checkpoint)"))
     for name, g in grads.items():
-        if ref is not None:
+        if ref is not None and name not in (FLOOR_REMAT, FLOOR_KEPT):  # another problem
             rows[name].rel_diff = _rel_diff(g, ref)
     return list(rows.values())
+
+
+FLOOR_REMAT = "floor: fixed steps, recomputed"
+FLOOR_KEPT = "floor: fixed steps, residuals kept"
+
+
+def fixed_steps(n_steps: int, t1: float, *, remat: bool) -> Callable[[Any, Any], Any]:
+    """A reference for the NeuralODE rows: `n_steps` equal Tsit5 steps over `[0, t1]`
+    (the batch's largest accepted-step count in our adaptive solve), with the same
+    stage code as ours (`solvers._ode_methods`) in a `lax.scan` that JAX
+    differentiates itself, returning the step ends. No step-size control, no
+    interpolated outputs, no recording: what is left is the field's own work.
+
+    `remat=True` recomputes each step's stages in the backward pass
+    (`jax.checkpoint`), as a checkpointed adjoint does; `remat=False` lets the scan
+    keep every step's residuals (the field's activations) from the forward pass."""
+    from solvers._ode_methods import get_method
+
+    method = get_method("tsit5")
+    h = t1 / n_steps
+
+    def solve(f, y0):
+        field = lambda y, t, f: f(y, t)  # noqa: E731
+
+        def one(y, k, t):
+            y1, _, k1, _, _ = method.step_with_stages(field, y, k, t, h, f, rtol=ODE_RTOL)
+            return y1, k1
+
+        one = jax.checkpoint(one) if remat else one
+
+        def body(c, _):
+            y, k, t = c
+            y1, k1 = one(y, k, t)
+            return (y1, k1, t + h), y1
+
+        return lax.scan(body, (y0, f(y0, 0.0), 0.0), None, length=n_steps)[1]
+
+    return solve
 
 
 # ---------------------------------------------------------------------------
@@ -362,6 +410,7 @@ def render(rows: list[Row], mode: str, wall: float, load: tuple[float, float], s
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peer_of = dict(PAIRS)
+    peer_of.update({FLOOR_REMAT: PAIRS[0][1], FLOOR_KEPT: PAIRS[0][1]})
     for r in (r for r in rows if r.part == "NeuralODE"):
         if r.error is not None:
             node.append(f"| {r.method} | error: {r.error} | | | | | | |")
@@ -396,6 +445,12 @@ def render(rows: list[Row], mode: str, wall: float, load: tuple[float, float], s
         f"{s['ode_batch']}, {s['ode_times']} output times on [0, {s['t1']:g}], Tsit5, "
         f"rtol {ODE_RTOL:g}, atol {ODE_ATOL:g}; `steps per solve` is the batch mean of "
         "accepted steps (both libraries interpolate the output times inside the steps). "
+        "The two `floor` rows are a reference, not a solver: as many equal Tsit5 steps as "
+        "our slowest batch element takes, with our stage code in a `lax.scan` that JAX "
+        "differentiates, and no step-size control, interpolation or recording "
+        "(`fixed_steps`); `recomputed` re-runs each step's stages in the backward pass as "
+        "a checkpointed adjoint does, `residuals kept` stores the field's activations "
+        "from the forward pass; their × column is against diffrax (RecursiveCheckpoint). "
         "Step: `value_and_grad` of the loss, "
         "jitted; time is the median of single calls with `block_until_ready`, methods "
         "interleaved; memory is `compiled.memory_analysis().temp_size_in_bytes` (XLA's "
@@ -451,11 +506,18 @@ def plot(rows: list[Row], path: Path) -> bool:
         ax.set_ylabel(what)
         ax.set_title("DEQ training step", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:  # (no DEQ rows with --only node)
+        axes[0].legend(fontsize=8)
     node = [r for r in rows if r.part == "NeuralODE" and r.run_s]
-    colors = ["tab:green" if r.method.startswith("ours") else "tab:blue" for r in node]
-    axes[2].barh([r.method for r in node], [r.run_s * 1e3 for r in node], color=colors)
-    axes[2].set_xlabel("step time, median (ms)")
+    hue = {"ours": "tab:green", "diffrax": "tab:blue"}
+    colors = [hue.get(r.method.split()[0], "tab:gray") for r in node]
+    times = [r.run_s * 1e3 for r in node]
+    axes[2].barh([r.method for r in node], times, color=colors)
+    for i, t in enumerate(times):
+        axes[2].annotate(f" {t:.3g}", (t, i), va="center", fontsize=8)
+    axes[2].set_xscale("log")  # (backsolve is about 30x checkpoint)
+    axes[2].set_xlim(right=max(times, default=1) * 4)
+    axes[2].set_xlabel("step time, median (ms, log scale)")
     axes[2].set_title("NeuralODE training step (Tsit5)", fontsize=10)
     axes[2].invert_yaxis()
     fig.suptitle(f"solvers.nn training steps (jax {jax.__version__}, {jax.default_backend()})")

@@ -69,7 +69,10 @@ def test_transformations_scalar(x64, name, method):
     np.testing.assert_allclose(transform(f)(jnp.float64(3.0)), expected(3.0), rtol=1e-9)
 
 
-@pytest.mark.parametrize("adjoint", ["neumann", "gmres", "dense", "auto"])
+# (GMRES, the slowest to compile here, is also the DEQ tests' backward solver.)
+@pytest.mark.parametrize(
+    "adjoint", ["neumann", pytest.param("gmres", marks=pytest.mark.slow), "dense", "auto"]
+)
 def test_vmap_grad_and_grad_vmap(x64, adjoint):
     a = jnp.array([1.0, 2.0, 5.0])
     f = functools.partial(newton_sqrt, adjoint=adjoint)

@@ -107,6 +107,7 @@ def test_batched_parameters_and_a_shared_initial_state(x64):
     np.testing.assert_allclose(g_ws, jax.jacfwd(loss, 1)(y0, ws), rtol=1e-8)
 
 
+@pytest.mark.slow
 def test_shared_output_times_get_the_summed_cotangent(x64):
     def loss(ts):
         ys = jax.vmap(lambda y0: solve(y0, 1.3, 0.5, ts=ts))(jnp.asarray(Y0S))

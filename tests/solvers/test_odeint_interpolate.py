@@ -123,6 +123,8 @@ def test_hessian_and_closed_form_derivatives(x64):
         np.testing.assert_allclose(jax.hessian(total)(W, adjoint), d2, rtol=1e-5)
 
 
+# (Per-element steps under vmap are also in test_odeint_dense and test_odeint_batched_sweep.)
+@pytest.mark.slow
 def test_vmap_elements_keep_their_own_steps(x64):
     """Under vmap each element steps on its own: the batch equals the stacked solves,
     and so do the gradients of the checkpoint adjoint."""
