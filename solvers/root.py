@@ -198,11 +198,60 @@ def _flat(g, x0):
     return flat0, unravel, g_flat
 
 
-def _quasi_newton_loop(g_flat, flat0, state0, direction, update, rtol, atol, max_steps):
-    """Iterate `x <- x + dx` with `dx = direction(state, fx)` until the step is small.
+#: Armijo constant of the backtracking: a step length `t` is accepted when it lowers
+#: `|f|^2` by at least the fraction `_ARMIJO * t` (a Newton step's own slope is -2).
+_ARMIJO = 1e-4
+#: The shortest step length tried, as a power of 1/2.
+_MAX_HALVINGS = 20
 
-    `state` (a Jacobian factorisation or an inverse-Jacobian estimate) is refreshed by
-    `update(state, dx, fx, f_new)` after each step.
+
+def _backtrack(g_flat, x, dx, fx, f_full, local):
+    """A step length along `dx` by backtracking on the merit function `|f|^2`.
+
+    Newton's full step can overshoot far from the root: the iterates then wander, and
+    whether they land on a root or overflow to inf/NaN depends on rounding (so on the
+    machine). The step length is halved until `f` is finite and `|f|^2` has dropped by
+    the Armijo fraction of the Newton model's decrease, as line-search Newton methods
+    do (Dennis and Schnabel, ch. 6).
+
+    The full step is kept without a search where the iteration is `local`: where the
+    step is already small against `x` (`_step_ratio` at most `1 / sqrt(rtol)`: a
+    change of about `sqrt(rtol) |x|` or less). There Newton converges without help,
+    and `|f|` is near its rounding noise, so a decrease test would only stall the
+    iteration. The full step is also kept when no length down to
+    `2**-_MAX_HALVINGS` decreases `|f|` (a local minimum of `|f|`): the iteration then
+    runs as plain Newton and reports by its status.
+
+    Returns `(x_new, f_new, t)`.
+    """
+    phi0 = fx @ fx
+
+    def bad(t, f_t):
+        return ~jnp.all(jnp.isfinite(f_t)) | ~(f_t @ f_t <= (1 - _ARMIJO * t) * phi0)
+
+    t_min = jnp.asarray(0.5**_MAX_HALVINGS, x.dtype)
+
+    def cond(carry):
+        t, f_t = carry
+        return bad(t, f_t) & (t > t_min) & ~local
+
+    def body(carry):
+        t = 0.5 * carry[0]
+        return t, g_flat(x + t * dx)
+
+    t, f_t = jax.lax.while_loop(cond, body, (jnp.ones((), x.dtype), f_full))
+    keep_full = local | (bad(t, f_t) & jnp.all(jnp.isfinite(f_full)))
+    t = jnp.where(keep_full, 1.0, t).astype(x.dtype)
+    f_new = jnp.where(keep_full, f_full, f_t)
+    return x + t * dx, f_new, t
+
+
+def _globalised_loop(g_flat, flat0, state0, direction, update, rtol, atol, max_steps):
+    """Iterate `x <- x + t dx` with `dx = direction(state, x, fx)` and `t` from `_backtrack`,
+    until the full step `dx` is within tolerance.
+
+    `state` (nothing, a Jacobian factorisation or an inverse-Jacobian estimate) is
+    refreshed by `update(state, s, fx, f_new)` after each step `s = t dx`.
     """
 
     def cond(carry):
@@ -211,12 +260,14 @@ def _quasi_newton_loop(g_flat, flat0, state0, direction, update, rtol, atol, max
 
     def body(carry):
         x, fx, state, _, steps, _ = carry
-        dx = direction(state, fx)
-        x_new = x + dx
-        f_new = g_flat(x_new)
-        state = update(state, dx, fx, f_new)
+        dx = direction(state, x, fx)
+        ratio = _step_ratio(dx, x + dx, rtol, atol)
+        f_full = g_flat(x + dx)
+        local = jnp.where(rtol > 0, ratio * jnp.sqrt(jnp.abs(rtol)) <= 1, ratio <= 1)
+        x_new, f_new, t = _backtrack(g_flat, x, dx, fx, f_full, local)
+        state = update(state, t * dx, fx, f_new)
         finite = jnp.all(jnp.isfinite(x_new)) & jnp.all(jnp.isfinite(f_new))
-        return x_new, f_new, state, _step_ratio(dx, x_new, rtol, atol), steps + 1, finite
+        return x_new, f_new, state, ratio, steps + 1, finite
 
     f0 = g_flat(flat0)
     inf = jnp.asarray(jnp.inf, flat0.dtype)
@@ -226,32 +277,24 @@ def _quasi_newton_loop(g_flat, flat0, state0, direction, update, rtol, atol, max
 
 
 def _newton(g, x0, *, rtol, atol, max_steps, linear_solver):
-    """Newton's method, matrix-free: each step solves `J(x) dx = -f(x)` with `linear_solver`."""
+    """Newton's method, matrix-free: each step solves `J(x) dx = -f(x)` with `linear_solver`,
+    then backtracks along `dx` (`_backtrack`)."""
     if callable(linear_solver):
         solve = linear_solver
     else:
         solve = functools.partial(getattr(linear_solve, linear_solver), throw=False)
+    flat0, unravel, g_flat = _flat(g, x0)
 
-    def cond(carry):
-        _, ratio, steps, finite = carry
-        return (ratio > 1) & (steps < max_steps) & finite
+    def direction(state, x, fx):
+        _, jvp = jax.linearize(g, unravel(x))
+        dx = solve(jvp, unravel(-fx))
+        return ravel_pytree(dx)[0]
 
-    def body(carry):
-        x, _, steps, _ = carry
-        fx, jvp = jax.linearize(g, x)
-        dx = solve(jvp, jax.tree_util.tree_map(jnp.negative, fx))
-        x_new = jax.tree_util.tree_map(jnp.add, x, dx)
-        flat_dx, _ = ravel_pytree(dx)
-        flat_x, _ = ravel_pytree(x_new)
-        finite = jnp.all(jnp.isfinite(flat_x))
-        return x_new, _step_ratio(flat_dx, flat_x, rtol, atol), steps + 1, finite
+    def update(state, s, fx, f_new):
+        return state
 
-    inf = jnp.asarray(jnp.inf, ravel_pytree(x0)[0].dtype)
-    init = (x0, inf, jnp.asarray(0, jnp.int32), jnp.asarray(True))
-    x, ratio, steps, finite = jax.lax.while_loop(cond, body, init)
-    _, unravel, g_flat = _flat(g, x)
-    flat, info = _finish(g_flat, ravel_pytree(x)[0], ratio, steps, finite)
-    return unravel(flat), info
+    x, info = _globalised_loop(g_flat, flat0, None, direction, update, rtol, atol, max_steps)
+    return unravel(x), info
 
 
 def _chord(g, x0, *, rtol, atol, max_steps, linear_solver):
@@ -260,13 +303,13 @@ def _chord(g, x0, *, rtol, atol, max_steps, linear_solver):
     flat0, unravel, g_flat = _flat(g, x0)
     lu = jax.scipy.linalg.lu_factor(jax.jacfwd(g_flat)(flat0))
 
-    def direction(lu, fx):
+    def direction(lu, x, fx):
         return -jax.scipy.linalg.lu_solve(lu, fx)
 
     def update(lu, dx, fx, f_new):
         return lu
 
-    x, info = _quasi_newton_loop(g_flat, flat0, lu, direction, update, rtol, atol, max_steps)
+    x, info = _globalised_loop(g_flat, flat0, lu, direction, update, rtol, atol, max_steps)
     return unravel(x), info
 
 
@@ -278,7 +321,7 @@ def _broyden(g, x0, *, rtol, atol, max_steps, linear_solver):
     inv0 = jax.scipy.linalg.lu_solve(lu, jnp.eye(flat0.size, dtype=flat0.dtype))
     tiny = jnp.finfo(flat0.dtype).tiny
 
-    def direction(inv, fx):
+    def direction(inv, x, fx):
         return -inv @ fx
 
     def update(inv, dx, fx, f_new):
@@ -290,7 +333,7 @@ def _broyden(g, x0, *, rtol, atol, max_steps, linear_solver):
         change = jnp.outer(dx - inv_df, dx @ inv) / jnp.where(safe, denom, 1.0)
         return jnp.where(safe, inv + change, inv)
 
-    x, info = _quasi_newton_loop(g_flat, flat0, inv0, direction, update, rtol, atol, max_steps)
+    x, info = _globalised_loop(g_flat, flat0, inv0, direction, update, rtol, atol, max_steps)
     return unravel(x), info
 
 
