@@ -31,6 +31,7 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
             mode: [
                 "-m",
                 "implicitdiff.gradcheck",
+                "--full",
                 "--markdown",
                 "--output",
                 str(RESULTS / "gradcheck.md"),

@@ -281,6 +281,33 @@ def under_differentiation() -> bool:
     return False
 
 
+# Traces that hand a value they do not own on to their parent trace, so that at the bottom
+# of a stack made only of these, using a tracer of a finished trace fails on the spot.
+# (`JaxprTrace` is the known/unknown split of JAX's generic linearization: known values,
+# foreign tracers included, are computed in its parent trace.)
+_FORWARDING_TRACES = (_core.EvalTrace, _batching.BatchTrace, _pe.JaxprTrace, *_AD_TRACES)
+
+
+def evaluates_eagerly() -> bool:
+    """Whether every trace in the current stack runs operations (rather than recording them).
+
+    There, an operation on a tracer of a trace that is not in the stack raises JAX's
+    `UnexpectedTracerError` at once; a recording (jaxpr) trace would instead keep such a
+    tracer as a constant of the jaxpr it builds.
+    """
+    trace = _core.find_top_trace(())
+    while trace is not None:
+        if not isinstance(trace, _FORWARDING_TRACES):
+            return False
+        trace = getattr(trace, "parent_trace", None)
+    return True
+
+
+def eval_closed_jaxpr(closed: Any, args: Sequence[Any]) -> list[Any]:
+    """Run the equations of a `jax.make_jaxpr` result on `args` in the current trace."""
+    return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
 def carries_tangent(x: Any) -> bool:
     """Whether `x` is, or wraps (e.g. a vmap tracer around), a differentiation tracer."""
     if not isinstance(x, _core.Tracer):

@@ -6,17 +6,23 @@ the nondiff positions of ``custom_vjp`` (passed to JAX as ordinary inputs, saved
 handed back to ``bwd`` nondiff-first); and a ``TypeError`` naming the shape/dtype of a
 closed-over value that is being differentiated.
 
-The closure check runs only when a jvp/grad trace is active (a walk up the trace chain, well
-under a microsecond otherwise). It traces what JAX is about to run - the primal when no input
-carries a tangent, else the ``jvp``/``fwd`` rule - with `jax.make_jaxpr`, passing every
-array explicitly, so the jaxpr constants are the closed-over values; one carrying a tangent is
-reported. A closure over the inputs of a ``jit``/``checkpoint`` placed between the ``grad`` and
-the call looks like an ordinary constant there, so JAX's own error is raised for it later.
+The closure check runs only when a jvp/grad trace is active at call time (a walk up the trace
+chain, well under a microsecond otherwise). It then happens inside the single call JAX makes to
+the primal or to the ``jvp``/``fwd`` rule (with JAX's own arguments, e.g. the ``perturbed`` flags
+of ``symbolic_zeros``), so user code runs exactly as often as under ``jax.custom_jvp`` /
+``jax.custom_vjp``. Where the call is recorded into a jaxpr (under ``jit``, ``scan``, ...), the
+code is traced with `jax.make_jaxpr`, passing every array explicitly, so the jaxpr constants are
+the closed-over values; one carrying a tangent is reported, and otherwise the jaxpr's equations
+are replayed in place of the call. Where operations run eagerly, the code is called directly and
+JAX's own leaked-tracer error is reworded. A closure over the inputs of a ``jit``/``checkpoint``
+placed between the ``grad`` and the call looks like an ordinary constant there, so JAX's own
+error is raised for it later.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import re
 from collections.abc import Callable, Sequence
@@ -48,6 +54,30 @@ def _is_array(x: Any) -> bool:
 
 _carries_tangent = compat.carries_tangent
 _under_differentiation = compat.under_differentiation
+# JAX's leak error names the type as e.g. "float32[3]"; our message uses the short form "f32[3]".
+_LEAK_TYPE = re.compile(r"type (\S+) wrapped in a (?:JVPTracer|LinearizeTracer)")
+_LONG_TYPE = re.compile(r"([a-z]+[0-9a-z_]*)\[([0-9,]*)\]")
+
+
+def _short_type(text: str) -> str:
+    """``float32[3,2]`` -> ``f32[3,2]``; anything else is returned unchanged."""
+    found = _LONG_TYPE.fullmatch(text)
+    if found is None:
+        return text
+    try:
+        dtype = jax.numpy.dtype(found.group(1))
+    except TypeError:
+        return text
+    shape = tuple(int(d) for d in found.group(2).split(",") if d)
+    aval = compat.aval_from_shape_dtype(jax.ShapeDtypeStruct(shape, dtype))
+    return aval.str_short(short_dtypes=True)
+
+
+class _View:
+    """The attributes JAX's ``__call__`` reads, with some of the functions swapped."""
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.__dict__.update(attrs)
 
 
 def _nondiff_positions(fun: Callable, argnums: Sequence[int], argnames: Sequence[str]) -> tuple:
@@ -103,6 +133,9 @@ class _CustomBase:
     fun: Callable
     nondiff_argnums: tuple
     _kind = ""
+    _rule = ""  # the name of the rule attribute JAX calls: "jvp" or "fwd"
+    _jax_attrs: tuple[str, ...] = ()  # what JAX's __call__ reads from the object
+    _jax_call: Callable[..., Any]
 
     def _setup(self, fun: Callable, nondiff_argnames: Sequence[str]) -> None:
         self.nondiff_argnames = tuple(nondiff_argnames)
@@ -148,35 +181,65 @@ class _CustomBase:
     def _name(self) -> str:
         return getattr(self.fun, "__qualname__", repr(self.fun))
 
-    def _rule_call(self, args: tuple) -> Callable[[tuple], Any]:
-        raise NotImplementedError
+    def _checking(self, fn: Callable) -> Callable:
+        """Wrap a function JAX will call (primal or rule) so that its one call is also checked
+        for a closed-over value that carries a tangent."""
 
-    def _check_closure(self, args: tuple) -> None:
-        """Raise if the code JAX will run closes over a value that carries a tangent."""
+        @functools.wraps(fn)
+        def run(*args: Any) -> Any:
+            if _CHECKING.get() or compat.evaluates_eagerly():
+                # Eagerly, using such a value raises JAX's leak error, reworded by `_call`.
+                return fn(*args)
+            return self._traced_call(fn, args)
+
+        return run
+
+    def _traced_call(self, fn: Callable, args: tuple) -> Any:
+        """``fn(*args)`` traced to a jaxpr whose constants are checked, then replayed."""
         leaves, tree = jax.tree_util.tree_flatten(args)
-        where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        perturbed = any(_carries_tangent(leaves[i]) for i in where)
-        # JAX runs the rule when some input carries a tangent and the primal otherwise.
-        call = self._rule_call(args) if perturbed else (lambda a: self.fun(*a))
+        slots: list[tuple[int, Any]] = []  # (leaf index, perturbed flag or None)
+        arrays: list[Any] = []
+        for i, leaf in enumerate(leaves):
+            if _is_array(leaf):
+                slots.append((i, None))
+                arrays.append(leaf)
+            elif isinstance(leaf, CustomVJPPrimal) and _is_array(leaf.value):
+                slots.append((i, leaf.perturbed))
+                arrays.append(leaf.value)
 
-        def traced(*arrays: Any) -> Any:
+        # The outputs that are not JAX values (None, Python numbers, anything JAX would
+        # reject) are handed back as they are, so that JAX sees what a direct call returns.
+        out_parts: list[Any] = []
+
+        def traced(*values: Any) -> list[Any]:
             full = list(leaves)
-            for i, x in zip(where, arrays):
-                full[i] = x
-            return call(tree.unflatten(full))
+            for (i, perturbed), x in zip(slots, values):
+                full[i] = x if perturbed is None else CustomVJPPrimal(x, perturbed)
+            out_leaves, out_tree = jax.tree_util.tree_flatten(fn(*tree.unflatten(full)))
+            staged = [isinstance(x, jax.Array | compat.Tracer) for x in out_leaves]
+            out_parts[:] = [out_tree, out_leaves, staged]
+            return [x for x, s in zip(out_leaves, staged) if s]
 
         token = _CHECKING.set(True)
         try:
-            consts = jax.make_jaxpr(traced)(*(leaves[i] for i in where)).consts
-        except Exception:  # e.g. Python control flow on values: leave it to JAX
-            return
+            closed = jax.make_jaxpr(traced)(*arrays)
         finally:
             _CHECKING.reset(token)
-        bad = [c for c in consts if _carries_tangent(c)]
+        bad = [c for c in closed.consts if _carries_tangent(c)]
         if bad:
             raise self._closure_error(
                 ", ".join(jax.typeof(c).str_short(short_dtypes=True) for c in bad)
             )
+        out_tree, out_leaves, staged = out_parts
+        it = iter(compat.eval_closed_jaxpr(closed, arrays))
+        return out_tree.unflatten([next(it) if s else x for x, s in zip(out_leaves, staged)])
+
+    def _checked(self, obj: Any) -> _View:
+        """``obj`` (a JAX custom function) with its primal and rule wrapped by `_checking`."""
+        view = _View({name: getattr(obj, name) for name in self._jax_attrs})
+        view.fun = self._checking(obj.fun)
+        setattr(view, self._rule, self._checking(getattr(obj, self._rule)))
+        return view
 
     def _closure_error(self, types: str) -> TypeError:
         rule = "jvp rule" if self._kind == "custom_jvp" else "fwd/bwd rules"
@@ -188,17 +251,18 @@ class _CustomBase:
             f"(or wrap it in jax.lax.stop_gradient if no derivative is wanted)."
         )
 
-    def _call(self, call: Callable[[], Any], args: tuple) -> Any:
+    def _call(self, obj: Any, args: tuple) -> Any:
+        """Call JAX's ``__call__`` on ``obj``, checked for closures when differentiated."""
         if not _CHECKING.get() and _under_differentiation():
-            self._check_closure(args)
+            obj = self._checked(obj)
         try:
-            return call()
+            return self._jax_call(obj, *args)
         except UnexpectedTracerError as err:
-            # Fallback when the check could not trace the function: reword JAX's leak error.
-            found = re.search(r"type (\S+) wrapped in a (?:JVPTracer|LinearizeTracer)", str(err))
+            # Eagerly, a differentiated closed-over value reaches JAX's leak check: reword it.
+            found = _LEAK_TYPE.search(str(err))
             if found is None:
                 raise
-            raise self._closure_error(found.group(1)) from err
+            raise self._closure_error(_short_type(found.group(1))) from err
 
 
 class custom_jvp(_CustomBase, jax.custom_jvp[R]):
@@ -228,6 +292,9 @@ class custom_jvp(_CustomBase, jax.custom_jvp[R]):
     """
 
     _kind = "custom_jvp"
+    _rule = "jvp"
+    _jax_attrs = ("fun", "jvp", "nondiff_argnums", "symbolic_zeros")
+    _jax_call = staticmethod(jax.custom_jvp.__call__)
 
     def __init__(
         self,
@@ -240,22 +307,13 @@ class custom_jvp(_CustomBase, jax.custom_jvp[R]):
         )
         self._setup(fun, nondiff_argnames)
 
-    def _rule_call(self, args: tuple) -> Callable[[tuple], Any]:
-        nd = self.nondiff_argnums
-
-        def call(a: tuple) -> Any:
-            diff = tuple(x for i, x in enumerate(a) if i not in nd)
-            return self.jvp(*(a[i] for i in nd), diff, diff)
-
-        return call
-
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         if not self.jvp:
             raise AttributeError(
                 f"No JVP defined for custom_jvp function {self._name()} using defjvp."
             )
         args = self._resolve(args, kwargs)
-        return self._call(lambda: jax.custom_jvp.__call__(self, *args), args)
+        return self._call(self, args)
 
 
 class custom_vjp(_CustomBase, jax.custom_vjp[R]):
@@ -289,6 +347,9 @@ class custom_vjp(_CustomBase, jax.custom_vjp[R]):
     """
 
     _kind = "custom_vjp"
+    _rule = "fwd"
+    _jax_attrs = ("fun", "fwd", "bwd", "nondiff_argnums", "symbolic_zeros", "optimize_remat")
+    _jax_call = staticmethod(jax.custom_vjp.__call__)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> custom_vjp:
         # jax.custom_vjp.__new__ may hand back a different class under a config flag.
@@ -329,17 +390,6 @@ class custom_vjp(_CustomBase, jax.custom_vjp[R]):
         """
         super().defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, optimize_remat=optimize_remat)
         self._dynamic_impl = None
-
-    def _rule_call(self, args: tuple) -> Callable[[tuple], Any]:
-        nd = self.nondiff_argnums
-
-        def call(a: tuple) -> Any:
-            if self.symbolic_zeros:
-                wrap = lambda x: CustomVJPPrimal(x, True)
-                a = tuple(x if i in nd else jax.tree.map(wrap, x) for i, x in enumerate(a))
-            return self.fwd(*a)
-
-        return call
 
     def _dynamic(self) -> jax.custom_vjp:
         """A jax.custom_vjp taking ``(spec, arrays, *diff_args)``; arrays are traced inputs."""
@@ -392,6 +442,5 @@ class custom_vjp(_CustomBase, jax.custom_vjp[R]):
         ):
             spec = _Spec(args, nd)
             diff = [x for i, x in enumerate(args) if i not in nd]
-            impl = self._dynamic()
-            return self._call(lambda: impl(spec, spec.dynamic, *diff), args)
-        return self._call(lambda: jax.custom_vjp.__call__(self, *args), args)
+            return self._call(self._dynamic(), (spec, spec.dynamic, *diff))
+        return self._call(self, args)

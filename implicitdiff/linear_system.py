@@ -146,8 +146,15 @@ class _LinearSolve(Primitive):
     # ---- the operator and solver this instance applies ---------------------------
 
     def _apply_a(self, mvc, x):
-        """`A x`, or `A^T x` for a transposed instance."""
-        if not self.transposed:
+        """`A x`, or `A^T x` for a transposed instance.
+
+        With `symmetric`, the transposed operator is `matvec` itself (as in JAX): the
+        transposed solve runs `solve(matvec, .)`, so its derivative with respect to the
+        values `matvec` closes over must come from the same `matvec`. Transposing it here
+        instead would differentiate `A^T` while the solve inverts `A`, which disagrees as
+        soon as a perturbation of those values is not symmetric (second derivatives).
+        """
+        if not self.transposed or self.symmetric:
             return self.matvec(mvc, x)
         (out,) = jax.linear_transpose(lambda v: self.matvec(mvc, v), x)(x)
         return out
@@ -177,11 +184,12 @@ class _LinearSolve(Primitive):
 
     @staticmethod
     def _solve_missing_transpose():
-        raise NotImplementedError(
-            "custom_linear_solve: reverse-mode differentiation (grad, vjp, jacrev) and "
-            "transposition need `transpose_solve`, a solver for the transposed system "
-            "`transpose_solve(vecmat, b)`; pass it, or pass symmetric=True if `matvec` "
-            "is symmetric. Forward mode (jvp, jacfwd) works without it."
+        # A TypeError, as from jax.lax.custom_linear_solve (and with its wording first).
+        raise TypeError(
+            "custom_linear_solve: transpose_solve required for reverse-mode differentiation "
+            "(grad, vjp, jacrev) and transposition: pass `transpose_solve`, a solver for the "
+            "transposed system `transpose_solve(vecmat, b)`, or pass symmetric=True if "
+            "`matvec` is symmetric. Forward mode (jvp, jacfwd) works without it."
         )
 
     def _x(self, out):

@@ -169,31 +169,37 @@ def problems() -> list[Problem]:
             "fixed-point-anderson-cos",
             _anderson_cos,
             description="solvers.fixed_point(method='anderson'): x = cos(a x)",
+            quick=False,
         ),
         Problem(
             "deq-tanh",
             _deq_tanh,
             description="solvers.nn.DEQ: z = tanh(W z + x), d/dx and d/dW vs unrolled iteration",
+            quick_order=1,
         ),
         Problem(
             "root-newton-system",
             _root_newton_system,
             description="solvers.root(method='newton'): A x + 0.1 x^3 = b, d/dA and d/db",
+            quick=False,
         ),
         Problem(
             "root-bisection-cbrt",
             _root_bisection_cbrt,
             description="solvers.root(method='bisection'): x^3 = a, vs jnp.cbrt",
+            quick=False,
         ),
         Problem(
             "minimize-ridge",
             _minimize_ridge,
             description="solvers.minimize (L-BFGS): ridge regression vs its closed form",
+            quick=False,
         ),
         Problem(
             "minimize-newton-log",
             _minimize_newton_log,
             description="solvers.minimize(method='newton'): argmin exp(x) - a x = log(a)",
+            quick=False,
         ),
         Problem(
             "odeint-pendulum",
@@ -201,6 +207,7 @@ def problems() -> list[Problem]:
             description="solvers.odeint (dopri5, backsolve): the damped pendulum, d/d(y0, m, g)",
             atol=1e-6,
             rtol=1e-6,
+            quick_order=1,
         ),
         Problem(
             "odeint-van-der-pol-stiff",
@@ -209,5 +216,6 @@ def problems() -> list[Problem]:
             description="solvers.odeint (kvaerno5, checkpoint): stiff van der Pol, d/d(y0, mu)",
             atol=1e-5,
             rtol=1e-5,
+            quick=False,
         ),
     ]

@@ -19,7 +19,10 @@ optionally, against an independent *reference* implementation of the same functi
 The command line `python -m implicitdiff.gradcheck` (console script
 `implicitdiff-gradcheck`) runs `check_grads` on a catalogue of small problems:
 the built-in ones below, those added with `register`, and those published by other
-installed packages under the entry-point group ``implicitdiff.gradcheck``.
+installed packages under the entry-point group ``implicitdiff.gradcheck``. By default
+it makes a quick pass (seconds) over the problems marked `Problem.quick`, perturbing
+all arguments at once; ``--full`` checks every problem one argument at a time, to
+its full order (minutes).
 
 Example:
     ```python

@@ -41,10 +41,17 @@ class Problem:
             ``(fn, args, reference)``; called only when the problem runs, so that
             defining a catalogue is cheap (put imports of heavy modules inside it).
             The command line enables ``jax_enable_x64`` before calling it.
-        order: highest derivative order to check (``--order`` overrides it).
+        order: highest derivative order to check in a full run (``--full``);
+            ``--order`` overrides it.
         modes: the modes to check, as in `check_grads`.
         description: one line shown by ``--list``.
         atol, rtol, eps, jit: passed on to `check_grads`.
+        quick: whether the default (quick) run of the command line includes the
+            problem. Set it to False for a problem that takes more than a few seconds
+            even there: it then runs with ``--full``, or when ``-k`` selects it.
+        quick_order: the highest order checked in the quick run (default: `order`),
+            for a problem whose higher derivatives are slow to compile. The quick run
+            also perturbs all arguments at once (see `check_grads`'s `per_argument`).
 
     Example:
         ```python
@@ -65,9 +72,31 @@ class Problem:
     rtol: float | Mapping[str, float] | None = None
     eps: float | None = None
     jit: bool = True
+    quick: bool = True
+    quick_order: int | None = None
 
-    def run(self, *, order: int | None = None) -> list[GradCheckRow]:
-        """Build the problem and run `check_grads` on it (raises like `check_grads`)."""
+    def __post_init__(self) -> None:
+        orders = {"order": self.order}
+        if self.quick_order is not None:
+            orders["quick_order"] = self.quick_order
+        for name, value in orders.items():
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(
+                    f"Problem {self.name!r}: `{name}` must be an integer >= 1 (1 checks "
+                    f"first derivatives, 2 also second ones), got {value!r}"
+                )
+
+    def run(self, *, order: int | None = None, full: bool = True) -> list[GradCheckRow]:
+        """Build the problem and run `check_grads` on it (raises like `check_grads`).
+
+        Arguments:
+            order: the highest order to check, overriding the problem's own.
+            full: True: one argument at a time, up to `order`. False (the quick run):
+                every argument at once (`check_grads`'s ``per_argument=False``), up to
+                `quick_order`.
+        """
+        if order is None:
+            order = self.order if full or self.quick_order is None else self.quick_order
         built = self.build()
         if len(built) == 2:
             fn, args = built
@@ -77,13 +106,14 @@ class Problem:
         return check_grads(
             fn,
             args,
-            order=self.order if order is None else order,
+            order=order,
             modes=self.modes,
             atol=self.atol,
             rtol=self.rtol,
             eps=self.eps,
             reference=ref,
             jit=self.jit,
+            per_argument=full,
         )
 
 
@@ -273,11 +303,13 @@ def _builtin_problems() -> tuple[Problem, ...]:
             "root-y2-x3",
             _build_root_y2_x3,
             description="y with y**2 = x**3: custom_root + Newton, vs x**1.5",
+            quick=False,
         ),
         Problem(
             "ridge-regression",
             _build_ridge,
             description="ridge weights w.r.t. (lam, X, y): implicit_diff + CG, vs closed form",
+            quick_order=1,
         ),
         Problem(
             "linear-system",
@@ -350,14 +382,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Arguments:
         argv: command-line arguments without the program name (default:
-            ``sys.argv[1:]``). Options: ``--list``; ``-k PATTERN`` (repeatable: run
-            the problems whose name contains PATTERN or matches it as a glob,
-            case-insensitively); ``--order N``; ``--markdown``; ``--output FILE``.
+            ``sys.argv[1:]``). Options: ``--list``; ``--full`` (every problem, one
+            argument at a time, to its full `Problem.order`; without it and without
+            ``-k`` the run is quick: the problems marked `Problem.quick`, all arguments
+            perturbed at once, each to its `Problem.quick_order`); ``-k PATTERN``
+            (repeatable: check in full the problems, quick or not, whose name contains
+            PATTERN or matches it as a glob, case-insensitively); ``--order N``;
+            ``--markdown``; ``--output FILE``.
 
     Prints one progress line per problem to stderr (with the traceback of a problem
     that raised), then the table of all checks and a line
     ``N problems, M checks, K failed`` to stdout (and to ``--output``). Runs in
-    float64: ``jax_enable_x64`` is switched on for the run and restored afterwards.
+    float64: ``jax_enable_x64`` is switched on for the run and restored afterwards,
+    as is ``jax_disable_most_optimizations`` (each check compiles a few programs and
+    runs them once, so XLA's optimisation passes would cost more than they save).
 
     Returns:
         0 if every check passed; 1 if any failed, a problem raised, or the
@@ -382,12 +420,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="list the problems and exit")
     parser.add_argument(
+        "--full",
+        action="store_true",
+        help="check every problem, one argument at a time, to its full order (minutes); "
+        "the default quick run checks a representative subset, all arguments at once "
+        "(seconds)",
+    )
+    parser.add_argument(
         "-k",
         dest="patterns",
         action="append",
         default=[],
         metavar="PATTERN",
-        help="run the problems whose name contains PATTERN or matches it as a glob (repeatable)",
+        help="check in full the problems whose name contains PATTERN or matches it as a glob "
+        "(repeatable)",
     )
     parser.add_argument("--order", type=int, default=None, help="highest derivative order")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -411,10 +457,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.list:
         width = max((len(p.name) for p in catalogue), default=0)
         for p in catalogue:
-            print(f"{p.name.ljust(width)}  {p.description}".rstrip())
+            tag = "" if p.quick else "[--full] "
+            print(f"{p.name.ljust(width)}  {tag}{p.description}".rstrip())
         return 0
 
-    selected = [p for p in catalogue if not opts.patterns or _matches(p.name, opts.patterns)]
+    # Problems picked by name are checked in full; the default run is the quick overview.
+    full = opts.full or bool(opts.patterns)
+    if opts.patterns:
+        selected = [p for p in catalogue if _matches(p.name, opts.patterns)]
+    else:
+        selected = [p for p in catalogue if full or p.quick]
     if not selected:
         print(
             f"implicitdiff-gradcheck: error: no problem matches {' or '.join(opts.patterns)!r}"
@@ -423,8 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
 
-    old_x64 = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
+    old_flags = {
+        name: jax.config.values[name]
+        for name in ("jax_enable_x64", "jax_disable_most_optimizations")
+    }
+    for name in old_flags:
+        jax.config.update(name, True)
     rows: list[GradCheckRow] = []
     names: list[str] = []
     errors: list[str] = []
@@ -434,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{i}/{len(selected)}] {p.name} ...", end=" ", file=sys.stderr, flush=True)
             start = time.perf_counter()
             try:
-                result = p.run(order=opts.order)
+                result = p.run(order=opts.order, full=full)
                 status = "ok"
             except GradCheckError as e:
                 result = e.rows
@@ -453,12 +509,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if status == "ERROR":
                 print(trace, file=sys.stderr)
     finally:
-        jax.config.update("jax_enable_x64", old_x64)
+        for name, value in old_flags.items():
+            jax.config.update(name, value)
 
     failed = sum(not r.passed for r in rows)
     summary = f"{len(selected)} problems, {len(rows)} checks, {failed} failed"
     if errors:
         summary += f", {len(errors)} problems raised an error"
+    if not full:
+        lowered = sum(opts.order is None and (p.quick_order or p.order) < p.order for p in selected)
+        summary += (
+            f" (quick run: arguments perturbed together, {lowered} problems to a lower"
+            f" order, {len(catalogue) - len(selected)} left out; --full checks them all)"
+        )
     table = format_table(rows, markdown=opts.markdown, problems=names) if rows else ""
     overview = _overview(per_problem, rows, names, markdown=opts.markdown)
     table = f"{overview}\n\n{table}" if table else overview

@@ -79,7 +79,8 @@ class GradCheckRow:
 
     Attributes:
         argument: the argument that was perturbed: its parameter name when `f`'s
-            signature gives one, else ``"args[i]"``; ``"all"`` for the value row.
+            signature gives one, else ``"args[i]"``; ``"all"`` for the value row and
+            when every argument was perturbed at once (``per_argument=False``).
         mode: ``"fwd"`` (jvp), ``"rev"`` (vjp) or ``"value"``; at order 2 and above
             the composition, outermost first, e.g. ``"fwd-over-rev"`` is the jvp of the
             vjp function.
@@ -344,14 +345,15 @@ def check_grads(
     eps: float | None = None,
     reference: Callable[..., Any] | None = None,
     jit: bool = True,
+    per_argument: bool = True,
 ) -> list[GradCheckRow]:
     """Check the derivatives of `f` at `args`, one argument at a time.
 
-    For each argument with floating-point leaves (the others are held fixed) there
-    is a random direction `v` for that argument and a random cotangent `u` for the
-    output, standard normal and drawn from a seed that depends only on the
-    argument's name and the check, so runs are reproducible and `f` and the
-    reference see the same directions:
+    For each argument with floating-point leaves (the others are held fixed; with
+    ``per_argument=False``, for all of them at once) there is a random direction `v`
+    for that argument and a random cotangent `u` for the output, standard normal and
+    drawn from a seed that depends only on the argument's name and the check, so runs
+    are reproducible and `f` and the reference see the same directions:
 
     - ``"fwd"``: the tangent of ``jax.jvp`` along `v` against the central finite
       difference ``(f(x + eps v) - f(x - eps v)) / (2 eps)``;
@@ -398,8 +400,14 @@ def check_grads(
             solver, a closed form), called with the same arguments; its floating-point
             outputs must have the shapes of `f`'s.
         jit: evaluate each step's finite differences, jvps and vjps in one `jax.jit`
-            call (much faster for solvers, whose loops are compiled once per step
-            instead of once per call). Pass False for a function that cannot be traced.
+            call, and the value row in another (much faster for solvers, whose loops are
+            compiled once per step instead of once per call). Pass False for a function
+            that cannot be traced.
+        per_argument: perturb one argument at a time, so that each row names the
+            argument it checks (the default). False perturbs every argument at once,
+            along one random direction (rows read ``"all"``): one evaluation, hence one
+            compilation, per derivative function instead of one per argument, for a
+            quicker but less specific check.
 
     Returns:
         The list of `GradCheckRow`s, when every check passes.
@@ -451,16 +459,19 @@ def check_grads(
     rows: list[GradCheckRow] = []
     maybe_jit = jax.jit if jit else (lambda fun: fun)
 
-    def restrict(fun: Callable[..., Any], i: int) -> _LeafFn:
-        leaves, treedef = flat_args[i]
-        pos = [j for j, x in enumerate(leaves) if _is_inexact(x)]
+    def restrict(fun: Callable[..., Any], group: Sequence[int]) -> _LeafFn:
+        """`fun` as a function of the float leaves of the arguments in `group`, in order."""
+        pos = {i: [j for j, x in enumerate(flat_args[i][0]) if _is_inexact(x)] for i in group}
 
         def g(xs: _Leaves) -> _Leaves:
-            new = list(leaves)
-            for j, x in zip(pos, xs, strict=True):
-                new[j] = x
+            it = iter(xs)
             call_args = list(args)
-            call_args[i] = jax.tree_util.tree_unflatten(treedef, new)
+            for i in group:
+                leaves, treedef = flat_args[i]
+                new = list(leaves)
+                for j in pos[i]:
+                    new[j] = next(it)
+                call_args[i] = jax.tree_util.tree_unflatten(treedef, new)
             return _inexact_leaves(fun(*call_args))
 
         return g
@@ -471,8 +482,11 @@ def check_grads(
         return _resolve_tol(atol, against, default), _resolve_tol(rtol, against, default)
 
     if reference is not None:  # the value row
-        y = _to_np(_inexact_leaves(f(*args)))
-        y_ref = _to_np(_inexact_leaves(reference(*args)))
+
+        def values() -> tuple[_Leaves, _Leaves]:
+            return _inexact_leaves(f(*args)), _inexact_leaves(reference(*args))
+
+        y, y_ref = (_to_np(v) for v in maybe_jit(values)())
         if [a.shape for a in y] != [a.shape for a in y_ref]:
             raise ValueError(
                 "check_grads: the reference's floating-point outputs have shapes "
@@ -486,6 +500,11 @@ def check_grads(
         g: _LeafFn, g_ref: _LeafFn | None, xs: _Leaves, path: tuple[str, ...], label: str
     ) -> None:
         k = len(path) + 1
+        # Jitted, `g` is traced once here: the finite differences, the jvp and the vjp below
+        # (and the derivative functions of the next order) reuse its jaxpr instead of
+        # running the Python of a solver again for each of them.
+        g = maybe_jit(g)
+        g_ref = None if g_ref is None else maybe_jit(g_ref)
         what = f"checking the order-{k} derivatives with respect to {label}"
         if path:
             what += f" (of the {'-over-'.join(reversed(path))} derivative function)"
@@ -573,11 +592,12 @@ def check_grads(
                     label,
                 )
 
-    for i in diff_args:
-        g = restrict(f, i)
-        g_ref = None if reference is None else restrict(reference, i)
-        xs = [x for x in flat_args[i][0] if _is_inexact(x)]
-        check_node(g, g_ref, xs, (), names[i])
+    groups = [[i] for i in diff_args] if per_argument else [diff_args]
+    for group in groups:
+        g = restrict(f, group)
+        g_ref = None if reference is None else restrict(reference, group)
+        xs = [x for i in group for x in flat_args[i][0] if _is_inexact(x)]
+        check_node(g, g_ref, xs, (), names[group[0]] if len(group) == 1 else "all")
 
     failed = [r for r in rows if not r.passed]
     if failed:

@@ -628,7 +628,7 @@ def test_closure_error_fallback_with_python_control_flow():
         f.defjvp(lambda p, t: (f(*p), t[0]))
         return f
 
-    with pytest.raises(TypeError, match=r"float32\[\].*argument"):
+    with pytest.raises(TypeError, match=r"f32\[\].*argument"):
         jax.grad(lambda c: make(c)(jnp.float32(2.0)))(3.0)
 
 
@@ -682,3 +682,149 @@ def test_nested_custom_functions():
     np.testing.assert_allclose(
         jax.grad(lambda x: jax.vmap(outer)(x).sum())(jnp.zeros(2)), [6.0, 6.0], rtol=1e-6
     )
+
+
+# ------------------------------------------------- how often user code runs, as in JAX
+
+
+def _recording_vjp(cls, log, symbolic_zeros):
+    """x * y + sin(z) with a custom VJP whose fwd appends its perturbed flags to ``log``."""
+
+    @cls
+    def f(x, y, z):
+        return x * y + jnp.sin(z)
+
+    def fwd(x, y, z):
+        if symbolic_zeros:
+            log.append(tuple(a.perturbed for a in (x, y, z)))
+            x, y, z = x.value, y.value, z.value
+        else:
+            log.append("fwd")
+        return x * y + jnp.sin(z), (x, y, z)
+
+    def bwd(res, g):
+        x, y, z = res
+        return g * y, g * x, g * jnp.cos(z)
+
+    f.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros)
+    return f
+
+
+FWD_CALL_CASES = {
+    "grad_all": lambda f: jax.grad(f, argnums=(0, 1, 2))(2.0, 3.0, 0.5),
+    "grad_x": lambda f: jax.grad(f)(2.0, 3.0, 0.5),
+    "grad_y": lambda f: jax.grad(f, argnums=1)(2.0, 3.0, 0.5),
+    "grad_xz": lambda f: jax.grad(f, argnums=(0, 2))(2.0, 3.0, 0.5),
+    "grad_closure": lambda f: jax.grad(lambda y: f(2.0, y, 0.5))(3.0),
+    "jit_grad_y": lambda f: jax.jit(jax.grad(f, argnums=1))(2.0, 3.0, 0.5),
+    "grad_jit_y": lambda f: jax.grad(jax.jit(f), argnums=1)(2.0, 3.0, 0.5),
+    "vjp_z": lambda f: jax.vjp(lambda z: f(2.0, 3.0, z), 0.5)[1](1.0),
+    "jit_vjp_xy": lambda f: jax.jit(lambda x, y: jax.vjp(lambda a, b: f(a, b, 0.5), x, y)[1](1.0))(
+        2.0, 3.0
+    ),
+    "value_and_grad_y": lambda f: jax.value_and_grad(f, argnums=1)(2.0, 3.0, 0.5),
+    "jit_value_and_grad_x": lambda f: jax.jit(jax.value_and_grad(f))(2.0, 3.0, 0.5),
+    "vmap_grad_y": lambda f: jax.vmap(jax.grad(f, argnums=1), (None, 0, None))(
+        2.0, jnp.arange(3.0), 0.5
+    ),
+    "jit_vmap_grad_x": lambda f: jax.jit(jax.vmap(jax.grad(f), (0, None, None)))(
+        jnp.arange(3.0), 3.0, 0.5
+    ),
+    "grad_vmap_x": lambda f: jax.grad(
+        lambda x: jax.vmap(f, (None, 0, None))(x, jnp.arange(3.0), 0.5).sum()
+    )(2.0),
+    "grad_scan_y": lambda f: jax.grad(
+        lambda y: jax.lax.scan(lambda c, _: (f(2.0, c, 0.5), None), y, None, length=2)[0]
+    )(3.0),
+}
+
+
+@pytest.mark.parametrize("symbolic_zeros", [True, False])
+@pytest.mark.parametrize("case", sorted(FWD_CALL_CASES))
+def test_fwd_called_once_with_jax_perturbed_flags(case, symbolic_zeros):
+    # Record every call of fwd (a Python side effect, so one entry per trace or eager call)
+    # and compare with jax.custom_vjp on the same function: same count, same flags.
+    mine, theirs = [], []
+    got = FWD_CALL_CASES[case](_recording_vjp(custom_vjp, mine, symbolic_zeros))
+    want = FWD_CALL_CASES[case](_recording_vjp(jax.custom_vjp, theirs, symbolic_zeros))
+    assert theirs, "the case must run fwd"
+    assert mine == theirs
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+
+
+def test_fwd_called_once_with_traced_nondiff_array():
+    # Arrays in nondiff positions take our own path through JAX; fwd still runs once, and the
+    # differentiable arguments carry JAX's flags (JAX itself needs a static scale here).
+    def build(cls, log, scale):
+        @partial(cls, nondiff_argnums=(0,))
+        def f(s, x, y):
+            return s * x * y
+
+        def fwd(s, x, y):
+            log.append((x.perturbed, y.perturbed))
+            return s * x.value * y.value, (x.value, y.value)
+
+        f.defvjp(fwd, lambda s, res, g: (s * res[1] * g, s * res[0] * g), symbolic_zeros=True)
+        return lambda x, y: f(scale, x, y)
+
+    for transform in (lambda g: g, jax.jit):
+        mine, theirs = [], []
+        got = transform(jax.grad(build(custom_vjp, mine, jnp.float32(3.0)), argnums=1))(2.0, 5.0)
+        want = transform(jax.grad(build(jax.custom_vjp, theirs, 3.0), argnums=1))(2.0, 5.0)
+        assert mine == theirs == [(False, True)]
+        np.testing.assert_allclose(got, want)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: jax.grad(f)(0.3),
+        lambda f: jax.jit(jax.grad(f))(0.3),
+        lambda f: jax.grad(jax.jit(f))(0.3),
+        lambda f: jax.jvp(f, (0.3,), (1.0,)),
+        lambda f: jax.hessian(f)(0.3),
+    ],
+    ids=["grad", "jit_grad", "grad_jit", "jvp", "hessian"],
+)
+def test_custom_jvp_rule_and_primal_run_as_often_as_in_jax(transform):
+    def build(cls, log):
+        @cls
+        def f(x):
+            log.append("fun")
+            return jnp.sin(x)
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            log.append("jvp")
+            (x,), (t,) = primals, tangents
+            return jnp.sin(x), jnp.cos(x) * t
+
+        return f
+
+    mine, theirs = [], []
+    got = transform(build(custom_jvp, mine))
+    want = transform(build(jax.custom_jvp, theirs))
+    assert mine == theirs
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("transform", [lambda g: g, jax.jit], ids=["eager", "jit"])
+def test_fwd_outputs_that_are_not_arrays_as_in_jax(transform):
+    # Python numbers and None among the residuals, and a string JAX rejects, reach JAX as a
+    # direct call of fwd would hand them over.
+    def build(cls, residuals):
+        f = cls(lambda x: x**3)
+        f.defvjp(lambda x: (x**3, residuals(x)), lambda res, g: (res[1] * res[2] ** 2 * g,))
+        return f
+
+    good = lambda x: (None, 3, x)
+    np.testing.assert_allclose(
+        transform(jax.grad(build(custom_vjp, good)))(2.0),
+        transform(jax.grad(build(jax.custom_vjp, good)))(2.0),
+    )
+    bad = lambda x: ("tag", 3, x)
+    with pytest.raises(TypeError) as theirs:
+        transform(jax.grad(build(jax.custom_vjp, bad)))(2.0)
+    with pytest.raises(TypeError) as mine:
+        transform(jax.grad(build(custom_vjp, bad)))(2.0)
+    assert str(mine.value).splitlines()[0] == str(theirs.value).splitlines()[0]

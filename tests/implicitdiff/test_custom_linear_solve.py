@@ -6,7 +6,6 @@ value: autodiff of `jnp.linalg.solve` (which does not go through our code), clos
 forms, or finite differences (`jax.test_util.check_grads`, float64).
 """
 
-import re
 from functools import partial
 
 import jax
@@ -174,8 +173,8 @@ def test_explicit_jacobian_solve_check_grads(symmetric, x64):
     """JAX's test_custom_linear_solve: finite differences to second order, jit, vmap.
 
     With symmetric=True the matrix is parametrised as m + m.T so that the finite
-    differences stay on symmetric matrices (JAX's test perturbs `a` off them, where
-    `symmetric=True` is no longer true; see test_symmetric_second_order_off_the_manifold).
+    differences stay on symmetric matrices (JAX's test perturbs `a` off them; that case is
+    test_second_order_check_grads_unconstrained_matrix).
     """
 
     def linear_solve(m, b):
@@ -200,35 +199,96 @@ def test_explicit_jacobian_solve_check_grads(symmetric, x64):
 
 
 def test_symmetric_second_order_off_the_manifold(x64):
-    """At a symmetric `a`, second derivatives in *nonsymmetric* directions are exact.
+    """Second derivatives at a symmetric `a`, in every direction, with symmetric=True.
 
-    The transposed solve's derivative transposes `dA` (it differentiates A^{-T}, not
-    A^{-1}), so even with symmetric=True the Hessian w.r.t. an unconstrained `a`
-    equals that of `jnp.linalg.solve`. (jax 0.10.2's lax.custom_linear_solve does not
-    have this property: it reuses `dA` for `dA^T`.)
+    As in JAX, the transposed solve is `solve(matvec, .)`: the operator stays `matvec`, so
+    the derivative of the gradient is taken through `A`, not `A^T`. Hence the Hessian with
+    respect to an unconstrained `a` is lax.custom_linear_solve's (the derivative of the
+    gradient as computed, which finite differences confirm in
+    test_second_order_check_grads_unconstrained_matrix), and in symmetric directions it is
+    that of `jnp.linalg.solve`.
     """
     rng = np.random.RandomState(1)
     a = rng.randn(3, 3)
     a = a + a.T
     b = rng.randn(3)
-    ours = lambda a, b: custom_linear_solve(
-        partial(jnp.dot, a), b, explicit_jacobian_solve, symmetric=True
-    )
+    sym_dir = rng.randn(3, 3)
+    sym_dir = sym_dir + sym_dir.T
+
+    def make(cls):
+        return lambda a, b: cls(partial(jnp.dot, a), b, explicit_jacobian_solve, symmetric=True)
+
+    ours, theirs, ref = make(custom_linear_solve), make(lax.custom_linear_solve), jnp.linalg.solve
     loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))
-    ref = jnp.linalg.solve
+
+    def symmetric_hvp(f):  # second derivative along a symmetric perturbation of `a`
+        grad = jax.grad(loss(f), (0, 1))
+        return jax.jvp(grad, (a, b), (sym_dir, jnp.ones(3)))[1]
+
     out = jax.jit(
         lambda a, b: {
             "hessian": (
                 jax.hessian(loss(ours), (0, 1))(a, b),
-                jax.hessian(loss(ref), (0, 1))(a, b),
+                jax.hessian(loss(theirs), (0, 1))(a, b),
             ),
             "rev_rev": (
                 jax.jacrev(jax.jacrev(loss(ours)))(a, b),
-                jax.jacrev(jax.jacrev(loss(ref)))(a, b),
+                jax.jacrev(jax.jacrev(loss(theirs)))(a, b),
             ),
+            "symmetric_direction": (symmetric_hvp(ours), symmetric_hvp(ref)),
         }
     )(a, b)
     check_pairs(out, rtol=1e-10, atol=1e-13)
+
+
+def dense_jacobian_solve(matvec, b):
+    """The solver of JAX's symmetric test: the matrix of `matvec`, then a dense solve."""
+    return jnp.linalg.solve(jax.jacfwd(matvec)(b), b)
+
+
+@pytest.mark.parametrize("has_aux", [False, True], ids=["plain", "aux"])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["nonsymmetric", "symmetric"])
+def test_second_order_check_grads_unconstrained_matrix(symmetric, has_aux, x64):
+    """JAX's own second-order check: finite differences perturb `a` in every direction.
+
+    `a = r r^T + n I` is symmetric positive definite, but the perturbations that
+    check_grads takes are not symmetric; second derivatives (jvp of vjp) must agree with
+    finite differences of the function as computed, as lax.custom_linear_solve's do, and
+    the values must be lax.custom_linear_solve's.
+    """
+    rng = np.random.RandomState(7)
+    n = 3
+    r = rng.randn(n, n)
+    a, b = r @ r.T + n * np.eye(n), rng.randn(n)
+    direction = rng.randn(n, n)  # a perturbation of `a` that is not symmetric
+    aux = {"converged": np.array(1.0), "nfev": np.array(12.0)}
+
+    def solve(mv, rhs):
+        x = dense_jacobian_solve(mv, rhs)
+        return (x, aux) if has_aux else x
+
+    def make(cls):
+        return lambda a, b: cls(
+            lambda x: a @ x, b, solve, solve, symmetric=symmetric, has_aux=has_aux
+        )
+
+    ours, theirs = make(custom_linear_solve), make(lax.custom_linear_solve)
+    check_grads(ours, (a, b), order=2, modes=["fwd", "rev"])
+
+    def derivatives(f):
+        x_of = (lambda a, b: f(a, b)[0]) if has_aux else f
+        loss = lambda a, b: jnp.sum(jnp.sin(x_of(a, b)))
+        grad = jax.grad(loss, (0, 1))
+        tangents = (jnp.asarray(direction), jnp.ones(n))
+        return {
+            "value": f(a, b),
+            "grad": grad(a, b),
+            "jvp_of_vjp": jax.jvp(grad, (a, b), tangents)[1],
+            "hessian": jax.hessian(loss, (0, 1))(a, b),
+        }
+
+    got, want = jax.jit(lambda: derivatives(ours))(), jax.jit(lambda: derivatives(theirs))()
+    check_pairs({k: (got[k], want[k]) for k in got}, rtol=1e-10, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------
@@ -378,22 +438,29 @@ def test_missing_transpose_solve_check_grads_fwd(x64):
 
 
 def test_missing_transpose_solve_reverse_mode_raises():
+    """A TypeError, as from lax.custom_linear_solve, that says what to pass."""
     a, b = _NS.astype(np.float32), _B.astype(np.float32)
+
+    def make(cls):
+        solve = lambda mv, r: jsp.linalg.lu_solve(jsp.linalg.lu_factor(a), r)
+        return lambda a, b: cls(partial(jnp.dot, a), b, solve)
+
+    calls = {
+        "grad": lambda f: jax.grad(lambda a, b: f(a, b).sum())(a, b),
+        "grad_b": lambda f: jax.grad(lambda b: f(a, b).sum())(b),
+        "jit_grad_a": lambda f: jax.jit(jax.grad(lambda a: f(a, b).sum()))(a),
+        "jacrev": lambda f: jax.jacrev(f, 1)(a, b),
+        "vjp": lambda f: jax.vjp(f, a, b)[1](b),
+        "linear_transpose": lambda f: jax.linear_transpose(lambda b: f(a, b), b)(b),
+    }
     ours = lambda a, b: lu_solve(a, b, with_transpose=False)
-    match = re.escape("transpose_solve")
-    with pytest.raises(NotImplementedError, match=match):
-        jax.grad(lambda a, b: ours(a, b).sum())(a, b)
-    with pytest.raises(NotImplementedError, match=match):
-        jax.grad(lambda b: ours(a, b).sum())(b)
-    with pytest.raises(NotImplementedError, match=match):
-        jax.jit(jax.grad(lambda a: ours(a, b).sum()))(a)
-    with pytest.raises(NotImplementedError, match=match):
-        jax.jacrev(ours, 1)(a, b)
-    with pytest.raises(NotImplementedError, match=match):
-        _, pullback = jax.vjp(ours, a, b)
-        pullback(b)
-    with pytest.raises(NotImplementedError, match=match):
-        jax.linear_transpose(lambda b: ours(a, b), b)(b)
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match="transpose_solve required") as info:
+            call(ours)
+        message = str(info.value)
+        assert "pass `transpose_solve`" in message and "symmetric=True" in message, name
+        with pytest.raises(TypeError, match="transpose_solve required"):
+            call(make(lax.custom_linear_solve))  # what JAX does on the same call
     # symmetric=True makes solve its own transpose: no transpose_solve needed
     sym = _M @ _M.T + np.eye(3)
     g = jax.grad(

@@ -471,3 +471,108 @@ def test_module_entry_point_and_cheap_import():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "newton-sqrt" in proc.stdout
+
+
+# ---------------------------------------------------------------------------
+# Quick checks: every argument at once, one trace of the function per argument.
+
+
+def test_all_arguments_at_once(x64):
+    rows = check_grads(matrix_fn, _matrices(), order=2, per_argument=False)
+    assert [r.argument for r in rows] == ["all"] * 6
+    assert {r.mode for r in rows} == ORDER2_MODES
+    assert all(r.passed for r in rows)
+    # a wrong derivative in one argument is still caught, without naming it
+    with pytest.raises(GradCheckError) as info:
+        check_grads(sin_times, _xy(), order=1, per_argument=False)
+    failed = [r for r in info.value.rows if not r.passed]
+    assert [(r.argument, r.mode, r.against) for r in failed] == [
+        ("all", "fwd", "finite differences")
+    ]
+    # with one argument the rows name it, as per argument
+    rows = check_grads(jnp.sin, (jnp.arange(3.0),), order=1, per_argument=False)
+    assert {r.argument for r in rows} == {"x"}
+
+
+@pytest.mark.parametrize("per_argument", [True, False])
+def test_function_traced_once_per_checked_argument(x64, per_argument):
+    # Under jit the finite differences, jvp and vjp (and the next order) reuse one trace.
+    calls = []
+
+    def f(x, y):
+        calls.append("f")
+        return jnp.sin(x) * y
+
+    def reference(x, y):
+        calls.append("reference")
+        return jnp.cos(x - jnp.pi / 2) * y
+
+    check_grads(f, _xy(), order=2, reference=reference, per_argument=per_argument)
+    groups = 2 if per_argument else 1
+    assert calls.count("f") == 1 + groups  # the value row, then one trace per group
+    assert calls.count("reference") == 1 + groups
+
+
+def test_problem_rejects_bad_orders():
+    with pytest.raises(ValueError, match="`quick_order` must be an integer >= 1"):
+        Problem("p", lambda: (jnp.sin, (1.0,)), quick_order=0)
+    with pytest.raises(ValueError, match="`order` must be an integer >= 1"):
+        Problem("p", lambda: (jnp.sin, (1.0,)), order=1.5)
+
+
+def test_cli_quick_run_and_full(registry, monkeypatch, capsys):
+    monkeypatch.setattr(gradcheck._catalogue, "_builtin_problems", lambda: ())
+    register(_problem("two-args", lambda x, y: jnp.sin(x) * y, _xy(), order=2, quick_order=1))
+    register(_problem("heavy", jnp.cos, (0.5,), quick=False))
+    # --list marks the problems that only --full (or -k) runs
+    assert main(["--list"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "[--full]" in listed["heavy"] and "[--full]" not in listed["two-args"]
+
+    # the default run: quick problems only, all arguments at once, to the quick order
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    detail = _detail(out).splitlines()
+    ran = {line.split()[0] for line in detail[2:-1]}
+    assert ran == {"two-args"}
+    two = [line.split() for line in detail[2:-1] if line.split()[0] == "two-args"]
+    assert [(r[1], r[2], r[3]) for r in two] == [("all", "fwd", "1"), ("all", "rev", "1")]
+    assert detail[-1] == (
+        "1 problems, 2 checks, 0 failed (quick run: arguments perturbed together, 1 problems"
+        " to a lower order, 1 left out; --full checks them all)"
+    )
+
+    # --full: every problem, one argument at a time, to its full order
+    assert main(["--full"]) == 0
+    detail = _detail(capsys.readouterr().out).splitlines()
+    assert {line.split()[0] for line in detail[2:-1]} == {"two-args", "heavy"}
+    two = [line.split() for line in detail[2:-1] if line.split()[0] == "two-args"]
+    assert {r[1] for r in two} == {"x", "y"} and {r[3] for r in two} == {"1", "2"}
+    assert detail[-1] == f"2 problems, {len(detail) - 3} checks, 0 failed"
+
+    # -k picks from the whole catalogue and checks in full
+    assert main(["-k", "heavy"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "1 problems, 6 checks, 0 failed"
+
+
+def test_quick_catalogue_covers_each_family():
+    # the installed catalogue (with the solvers' entry point): one quick problem per family
+    warnings = []
+    catalogue = {p.name: p for p in gradcheck.problems(warnings=warnings)}
+    assert not warnings
+    quick = {name for name, p in catalogue.items() if p.quick}
+    for family in ("newton-sqrt", "odeint-pendulum", "ridge-regression", "deq-"):
+        assert any(name.startswith(family) for name in quick), family
+    assert len(quick) < len(catalogue)  # the slow problems wait for --full
+    assert not catalogue["minimize-ridge"].quick
+
+
+@pytest.mark.slow
+def test_cli_default_run_is_the_quick_catalogue(capsys):
+    # the command with no arguments, on the installed catalogue: every check passes
+    assert main([]) == 0
+    overview = capsys.readouterr().out.split("\n\n")[0].splitlines()[2:]
+    names = [line.split()[0] for line in overview]
+    assert all(line.endswith("ok") for line in overview)
+    for family in ("newton-sqrt", "odeint-pendulum", "ridge-regression", "deq-"):
+        assert any(name.startswith(family) for name in names), family
