@@ -7,12 +7,18 @@ and `B = d_a f` at the solution `x*`,
     dx* = (I - A)^{-1} B da        (forward mode)
     a_bar = B^T w,  (I - A)^T w = x_bar        (reverse mode)
 
-With the default `adjoint="neumann"` both linear systems are solved as fixed points
-themselves, `t = B da + A t` and `w = x_bar + A^T w`, by the same iteration (the
-backward pass of JAX's hijax guide): `fixed_point` is one `implicitdiff.Primitive`
-whose derivative rules apply it again to those linear maps, so derivatives of any
-order follow. With another `adjoint` the linear systems go to that solver of
-`implicitdiff.linear_solve` through `implicitdiff.implicit_diff`.
+With the default adjoint (`adjoint=None`) and with `adjoint="neumann"` both linear
+systems are solved as fixed points themselves, `t = B da + A t` and `w = x_bar + A^T w`,
+by the same iteration (the backward pass of JAX's hijax guide): `fixed_point` is one
+`implicitdiff.Primitive` whose derivative rules apply it again to those linear maps, so
+derivatives of any order follow. That iteration (the Neumann series) converges only when
+`A` contracts, which the convergence of plain iteration implies, but not that of damped or
+Anderson iteration. After those two the default watches the series, stops it where it
+grows or stalls, and solves the linear fixed point directly (dense LU, or GMRES for large
+states) for the elements where it has not converged, inside the same primitive: its
+output is always the solution of the linear system, so its rules stay valid. With
+another `adjoint` the linear systems go to that solver of `implicitdiff.linear_solve`
+through `implicitdiff.implicit_diff`.
 
 Under `vmap` each loop runs over the whole batch until every element has converged
 (the converged ones keep iterating, which keeps a contraction converged), and the
@@ -29,11 +35,12 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.sparse.linalg as jsp_linalg
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from implicitdiff import Primitive, Zero, implicit_diff, linear_solve
-from implicitdiff._errors import any_over_batch, check_lazily, reduce_any
+from implicitdiff._errors import any_over_batch, check_lazily, error_if, reduce_any
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros, vmap_size
 
 from ._checks import (
@@ -60,6 +67,17 @@ Method = Literal["iterate", "damped", "anderson"]
 _METHODS = ("iterate", "damped", "anderson")
 _ADJOINTS = ("neumann", "gmres", "dense", "auto")
 _MIN_DERIVATIVE_STEPS = 100  # the derivative solves may take at least this many steps
+# The default adjoint after "damped" or "anderson" stops the Neumann series of an
+# element once its step has grown `_GROWTH` times larger than its first step (the series
+# diverges), or has not shrunk below its first step after `_STALL_STEPS` steps (an
+# eigenvalue of modulus 1), and solves that element directly.
+_GROWTH = 1e3
+_STALL_STEPS = 64
+# The direct solve of the default adjoint: dense LU up to this many unknowns per element
+# (as `implicitdiff.linear_solve.auto`), restarted GMRES above.
+_DENSE_MAX_SIZE = linear_solve.AUTO_DENSE_MAX_SIZE
+_GMRES_RESTART = 20
+_RESIDUAL_SLACK = 10.0  # how far GMRES's residual may exceed its tolerance before it fails
 # The default `check_every` when a step updates at least `_LARGE` numbers: the tests then
 # cost passes over memory, and an inner loop of steps between them pays for itself.
 _LARGE = 2**14
@@ -79,7 +97,7 @@ def fixed_point(
     history: int = 5,
     regularisation: float = 1e-5,
     check_every: int | None = None,
-    adjoint: str | Callable[..., Any] = "neumann",
+    adjoint: str | Callable[..., Any] | None = None,
     throw: bool = True,
     return_info: bool = False,
 ) -> Any:
@@ -113,15 +131,29 @@ def fixed_point(
             tolerance, and makes cheap maps on many numbers faster. The default,
             `None`, tests every step, or every `4` steps when a step updates at least
             16384 numbers (a large state, or a batch of solves under `vmap`). The
-            derivative solves of `adjoint="neumann"` test after their first step,
+            derivative solves by the Neumann series test after their first step,
             then as often.
-        adjoint: the linear solver for the derivative systems with `I - A`:
-            `"neumann"` (the series `sum A^k`, i.e. the same iteration on the linear
-            map; needs `f` to contract), `"gmres"`, `"dense"`, `"auto"`, or any
-            `solve(matvec, b)` from `implicitdiff.linear_solve` (e.g. a
-            `functools.partial` with options).
+        adjoint: the linear solver for the derivative systems with `I - A`, where
+            `A = df/dx` at the solution. `None` (default) follows `method`. After
+            `"iterate"`: the Neumann series `sum A^k` (the same iteration run on the
+            linear map, to the same tolerance, for at least 100 steps), as
+            `"neumann"`; plain iteration converges only where `f` contracts, and then
+            so does the series, at the same rate. After `"damped"` and `"anderson"`,
+            which also solve maps that do not contract (an eigenvalue of `A` of
+            modulus >= 1): the series, stopped for an element once it grows (a step
+            1000 times its first one) or stalls (no step below its first one after
+            64 steps), then, for the elements (of a `vmap` batch) where it has not
+            converged, a direct solve: dense LU up to 256 unknowns, GMRES above. So
+            the default gives the derivative whenever the solve converged and
+            `I - A` is invertible, at the cost of the series where `f` contracts.
+            `"neumann"`: the series alone, raising when it does not converge.
+            `"gmres"`, `"dense"`, `"auto"`, or any `solve(matvec, b)` from
+            `implicitdiff.linear_solve` (e.g. a `functools.partial` with options):
+            that solver, always.
         throw: raise at run time when the solve fails (max steps, non-finite
-            values); with `throw=False` the status is in the returned info.
+            values). `throw=False` needs `return_info=True`: the status in the
+            returned info is then the only sign of a failed solve (a `ValueError`
+            otherwise).
         return_info: also return a `SolveInfo` (steps, residual, status).
 
     Returns:
@@ -156,10 +188,16 @@ def fixed_point(
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
-    if not callable(adjoint) and adjoint not in _ADJOINTS:
+    if not throw and not return_info:
         raise ValueError(
-            f"fixed_point: `adjoint` must be one of {_ADJOINTS} or a linear solver "
-            f"`solve(matvec, b)`, got {adjoint!r}"
+            "fixed_point: `throw=False` turns off the error raised when the solve fails, "
+            "so the status must come back with the answer: pass `return_info=True` as "
+            "well and check `info.status` (or `info.converged`), or keep `throw=True`"
+        )
+    if adjoint is not None and not callable(adjoint) and adjoint not in _ADJOINTS:
+        raise ValueError(
+            f"fixed_point: `adjoint` must be None (the default), one of {_ADJOINTS} or a "
+            f"linear solver `solve(matvec, b)`, got {adjoint!r}"
         )
 
     dtype = float_dtype(name, "x_guess", x_guess)
@@ -185,9 +223,12 @@ def fixed_point(
         regularisation=regularisation,
         throw=throw,
         with_info=return_info,
+        # Plain iteration converges only where `f` contracts, and then so does the
+        # series: after "iterate" the default is the series alone, as "neumann".
+        fallback=adjoint is None and method != "iterate",
     )
 
-    if adjoint == "neumann":
+    if adjoint is None or (isinstance(adjoint, str) and adjoint == "neumann"):
         x, info = _FixedPoint.apply(consts, a, x_guess, tol, f=f_conv, cfg=cfg)
     else:
 
@@ -215,6 +256,9 @@ class _Config:
     regularisation: float
     throw: bool
     with_info: bool  # compute the `SolveInfo` (else `None`)
+    # For the derivative solves: stop the series where it grows or stalls, and solve
+    # directly where it has not converged.
+    fallback: bool = False
     derivative: bool = False  # a linear solve for a derivative, not the user's problem
 
     def for_derivative(self) -> _Config:
@@ -343,11 +387,17 @@ def _solve(f, a, x0, tol, cfg):
             size = batch * sum(int(np.size(v)) for v in leaves)
             every = _CHECK_EVERY_LARGE if size >= _LARGE else 1
         first = 1 if cfg.derivative else every
+        fallback = cfg.derivative and cfg.fallback
         # With `throw`, a NaN does not stop the loop: it runs on to max_steps and fails,
         # so that running out of steps is the whole verdict (no pass over the iterate).
+        # A derivative solve that falls back also stops where the series grows, stalls or
+        # is NaN (`watch`); its verdict is then a pass over the iterate.
         x_prev, x, steps = _iterate(
-            step, x0, tol, cfg.max_steps, every, first, nan_stops=not cfg.throw
+            step, x0, tol, cfg.max_steps, every, first, nan_stops=not cfg.throw, watch=fallback
         )
+        if fallback:
+            failed = any_over_batch(reduce_any(_failed(x, x_prev, tol)))
+            return _fall_back(f, a, x, x_prev, tol, failed, cfg), None
     if cfg.throw:
         if cfg.method == "anderson":
             failed = any_over_batch(reduce_any(_failed(x, x_prev, tol)))
@@ -367,7 +417,7 @@ def _damped_step(f, a, x, *, damping):
     return jax.tree_util.tree_map(lambda u, v: (1 - damping) * u + damping * v, x, fx)
 
 
-def _iterate(step, x0, tol, max_steps, check_every, first_check, *, nan_stops):
+def _iterate(step, x0, tol, max_steps, check_every, first_check, *, nan_stops, watch=False):
     """Step from `x0` until a step moves no element by more than the tolerance;
     returns the last two iterates and the number of steps.
 
@@ -375,13 +425,10 @@ def _iterate(step, x0, tol, max_steps, check_every, first_check, *, nan_stops):
     steps, never beyond `max_steps`. An element that is NaN stops the loop when
     `nan_stops`, else it keeps it going. Under `vmap` the loop is one loop over the
     batch: it runs until every element has converged (`any_over_batch`), not once per
-    element with masking.
+    element with masking. With `watch`, an element also stops counting once it
+    diverges or stalls (`_gives_up`, measured against its step at the first test).
     """
     unsettled = _moving if nan_stops else _not_settled
-
-    def cond(carry):
-        x_prev, x, steps = carry
-        return (steps < max_steps) & any_over_batch(unsettled(x, x_prev, tol))
 
     def advance(x, steps, every):
         if every == 1:
@@ -393,7 +440,39 @@ def _iterate(step, x0, tol, max_steps, check_every, first_check, *, nan_stops):
         return x, step(x), steps + n
 
     init = advance(x0, jnp.asarray(0, jnp.int32), first_check)
+    if watch:
+
+        def watched_cond(carry):
+            x_prev, x, steps, first = carry
+            active = unsettled(x, x_prev, tol) & ~_gives_up(x, x_prev, steps, first)
+            return (steps < max_steps) & any_over_batch(active)
+
+        def watched_body(carry):
+            return (*advance(carry[1], carry[2], check_every), carry[3])
+
+        init = (*init, _step_size(init[1], init[0]))
+        return jax.lax.while_loop(watched_cond, watched_body, init)[:3]
+
+    def cond(carry):
+        x_prev, x, steps = carry
+        return (steps < max_steps) & any_over_batch(unsettled(x, x_prev, tol))
+
     return jax.lax.while_loop(cond, lambda c: advance(c[1], c[2], check_every), init)
+
+
+def _step_size(x, x_prev):
+    """The largest `|x - x_prev|` (per element under `vmap`)."""
+    return max_norm([jnp.abs(u - v) for u, v in _pairs(x, x_prev)])
+
+
+def _gives_up(x, x_prev, steps, first):
+    """Whether a linear iteration whose first step had size `first` diverges (its step
+    grew `_GROWTH` times larger, or is not finite) or stalls (no step below the first
+    one after `_STALL_STEPS` steps). A contraction's steps shrink geometrically, but for
+    a non-normal `A` they may grow for a while: a false alarm only costs a direct solve.
+    """
+    size = _step_size(x, x_prev)
+    return ~(size <= _GROWTH * first) | ((steps >= _STALL_STEPS) & ~(size < first))
 
 
 def _anderson(f, a, x0, tol, max_steps, beta, m, lam):
@@ -439,6 +518,83 @@ def _anderson(f, a, x0, tol, max_steps, beta, m, lam):
     init = (flat0, g0, xs, gs, jnp.asarray(0, jnp.int32))
     x, g_x, _, _, steps = jax.lax.while_loop(cond, body, init)
     return unravel(x), unravel(g_x), steps + 1
+
+
+def _fall_back(f, a, x, x_prev, tol, failed, cfg):
+    """The fixed point of the affine map `f(a, .)` (a derivative's linear system): `x`,
+    the series' last iterate (the image of `x_prev`), where it has converged, and a
+    direct solve (`_direct_solve`) for the elements where it has not.
+
+    `failed` is the verdict reduced over any batch: only when it holds is the direct
+    solve run (for the whole batch under `vmap`, then selected per element). Where the
+    direct solve fails too (`I - A` singular), it raises with `cfg.throw`, else gives NaN.
+    """
+
+    def solve(operands):
+        a, x, x_prev, tol = operands
+        moving = _failed(x, x_prev, tol)
+        u, bad, residual, how = _direct_solve(f, a, x, tol)
+        bad = moving & bad
+        if cfg.throw:
+            values = {} if residual is None else {"residual": residual}
+            u = error_if(u, bad, _direct_failure_message(how, residual), values=values)
+        else:
+            u = jax.tree_util.tree_map(lambda v: jnp.where(bad, jnp.nan, v), u)
+        return jax.tree_util.tree_map(lambda new, old: jnp.where(moving, new, old), u, x)
+
+    return jax.lax.cond(failed, solve, lambda operands: operands[1], (a, x, x_prev, tol))
+
+
+def _direct_solve(f, a, x, tol):
+    """Solve `u = f(a, u)` for an affine `f(a, .)` shaped like `x`, not by iterating:
+    `(I - A) u = c` with `c = f(a, 0)` and `A v = f(a, v) - c`.
+
+    Up to `_DENSE_MAX_SIZE` unknowns (per element) `A` is built from the images of the
+    unit vectors and the system solved by LU; above, by restarted GMRES to the relative
+    residual `rtol`. Returns `(u, bad, residual, how)`: `bad` where `u` is not finite or
+    GMRES missed its tolerance, `residual` GMRES's 2-norm of `f(a, u) - u` (else None),
+    `how` the method.
+    """
+    flat, unravel = ravel_pytree(x)
+    n, dtype = flat.shape[0], flat.dtype
+
+    def g(v):
+        return ravel_pytree(f(a, unravel(v)))[0].astype(dtype)
+
+    c = g(jnp.zeros_like(flat))
+    if n == 1:  # a division: elementwise under `vmap`, no batch of LU factorisations
+        u = c / (1 - (g(jnp.ones_like(flat)) - c))
+        bad, residual, how = ~jnp.all(jnp.isfinite(u)), None, "division"
+    elif n <= _DENSE_MAX_SIZE:
+        eye = jnp.eye(n, dtype=dtype)
+        rows = jax.vmap(g)(eye) - c  # row i is A e_i
+        u = jnp.linalg.solve(eye - rows.T, c)
+        bad, residual, how = ~jnp.all(jnp.isfinite(u)), None, "dense LU"
+    else:
+        rtol = jnp.maximum(tol[0], 10 * jnp.finfo(dtype).eps).astype(dtype)
+        restart = min(_GMRES_RESTART, n)
+        u, _ = jsp_linalg.gmres(
+            lambda v: v - (g(v) - c), c, tol=rtol, restart=restart, maxiter=-(-10 * n // restart)
+        )
+        residual = jnp.linalg.norm(g(u) - u)
+        bad = ~(residual <= _RESIDUAL_SLACK * rtol * jnp.linalg.norm(c))
+        bad = bad | ~jnp.all(jnp.isfinite(u))
+        how = "GMRES"
+    return unravel(u), bad, residual, how
+
+
+def _direct_failure_message(how, residual):
+    outcome = "a non-finite solution" if residual is None else "residual {residual:.3e}"
+    return (
+        "fixed_point: the derivative needs the solution of (I - df/dx) u = b at the fixed "
+        "point (df/dx: the Jacobian of f with respect to x); the Neumann series for it "
+        f"did not converge, and the direct solve ({how}) failed too: {outcome}. So "
+        "I - df/dx is singular or nearly so (df/dx has an eigenvalue 1), and the fixed "
+        "point does not depend smoothly on the parameters there. To fix it: check that "
+        "the fixed point is isolated, or, for a large state, pass a solver with more "
+        "iterations, e.g. adjoint=functools.partial(implicitdiff.linear_solve.gmres, "
+        "maxiter=1000)."
+    )
 
 
 _UNROLLED_SOLVE_MAX = 8  # the largest Anderson memory solved by the unrolled Cholesky
@@ -525,7 +681,10 @@ def _check(x, x_prev, steps, tol, failed, cfg):
             "{status} (1: max_steps reached, 2: non-finite values) after {steps} steps, "
             "last step {residual:.3e}. It converges only when `f` contracts at the "
             "solution (every eigenvalue of df/dx below 1 in modulus). To fix it: pass "
-            f"adjoint='gmres' or adjoint='dense', or raise `max_steps` (now {cfg.max_steps})."
+            "adjoint='dense' (small states) or adjoint='gmres', raise `max_steps` (now "
+            f"{cfg.max_steps}), or, for a map that does not contract, solve with "
+            "method='damped' or 'anderson', after which the default adjoint falls back "
+            "to a direct solve where the series fails."
         )
     else:
         msg = failure_message("fixed_point", cfg.max_steps)

@@ -78,6 +78,23 @@ class DEQ(eqx.Module):
     `z*` (the implicit function theorem), so memory does not grow with the number of
     forward iterations.
 
+    Three defaults differ from `fixed_point`'s, because a DEQ's cell is a trained
+    network: whether it contracts changes during training, its state holds tens to
+    thousands of numbers, and each evaluation costs a forward pass of the network.
+
+    - `method="anderson"` (`fixed_point`: `"iterate"`): plain iteration converges
+      slowly, or not at all, on a cell that contracts weakly or not at all.
+    - `max_steps=100` (`fixed_point`: 1000): Anderson converges in tens of steps on
+      a usable cell; the cap bounds the cost of a training step, and a solve that
+      needs more raises (or reports, with `throw=False`).
+    - `adjoint="gmres"` (`fixed_point`: `None`, which after Anderson is the Neumann
+      series with a direct solve where it fails): GMRES needs no contraction and, on
+      a cell that contracts weakly, far fewer cell evaluations than the series, which
+      converges at the cell's contraction rate; and it never builds the dense
+      Jacobian that the fallback would build for states of up to 256 numbers. Its
+      tolerance is `implicitdiff.linear_solve.gmres`'s default (1e-5 in float32,
+      1e-10 in float64), not `rtol`. Pass `adjoint=None` for `fixed_point`'s rule.
+
     Attributes:
         cell: an Equinox module (or any callable pytree) `cell(z, x) -> z`; its
             floating-point arrays are the trained parameters.
@@ -85,15 +102,17 @@ class DEQ(eqx.Module):
         method: the forward solver: `"anderson"` (default), `"iterate"`, `"damped"`.
         rtol: the forward tolerance (see `fixed_point`).
         atol: the forward absolute tolerance.
-        max_steps: the most forward iterations.
+        max_steps: the most forward iterations (default 100).
         damping: the mixing parameter of `"anderson"` and `"damped"`.
         history: Anderson's memory.
-        adjoint: the backward linear solver: `"gmres"` (default), `"neumann"` (the
-            same fixed-point iteration on the linear system; needs a contraction),
-            `"dense"`, `"auto"`, or a `solve(matvec, b)` from
-            `implicitdiff.linear_solve` (e.g. a `functools.partial` setting its
-            tolerance).
-        throw: raise when the solve does not converge (else see `return_info`).
+        adjoint: the backward linear solver: `"gmres"` (default), `None`
+            (`fixed_point`'s default), `"neumann"` (the same fixed-point iteration on
+            the linear system; needs a contraction), `"dense"`, `"auto"`, or a
+            `solve(matvec, b)` from `implicitdiff.linear_solve` (e.g. a
+            `functools.partial` setting its tolerance).
+        throw: raise when the solve does not converge. `throw=False` needs
+            `return_info=True` at every call (`z, info = deq(x, return_info=True)`),
+            so that the status comes back; a call without it raises a `ValueError`.
 
     Example:
         ```python
@@ -119,15 +138,22 @@ class DEQ(eqx.Module):
     max_steps: int = eqx.field(static=True, default=100)
     damping: float = eqx.field(static=True, default=0.5)
     history: int = eqx.field(static=True, default=5)
-    adjoint: str | Callable[..., Any] = eqx.field(static=True, default="gmres")
+    adjoint: str | Callable[..., Any] | None = eqx.field(static=True, default="gmres")
     throw: bool = eqx.field(static=True, default=True)
 
     def __call__(self, x: Any, z0: Any = None, *, return_info: bool = False) -> Any:
         """The equilibrium `z*` for the input `x`, from `z0` (default zeros).
 
         Returns `z*`, or `(z*, info)` with `return_info=True` (a `SolveInfo`: the
-        iterations, residual and status).
+        iterations, residual and status), which `throw=False` requires.
         """
+        if not self.throw and not return_info:
+            raise ValueError(
+                "DEQ: this layer has `throw=False`, so a solve that fails raises nothing "
+                "and its status must come back with the answer: call it as "
+                "`z, info = deq(x, return_info=True)` and check `info.status` (or "
+                "`info.converged`), or build the layer with `throw=True`"
+            )
         params, static = _split(self.cell)
 
         def f(a, z):

@@ -153,7 +153,7 @@ def test_deq_gradient_independent_of_forward_steps(x64):
     @eqx.filter_jit
     def grads(deq):
         z, info = deq(x, return_info=True)
-        g = eqx.filter_grad(lambda m: jnp.dot(C, m(x)))(deq)
+        g = eqx.filter_grad(lambda m: jnp.dot(C, m(x, return_info=True)[0]))(deq)
         return z, info, g.cell.W
 
     def solve(max_steps):
@@ -169,6 +169,33 @@ def test_deq_gradient_independent_of_forward_steps(x64):
     # and a too-small budget is reported, not hidden
     _, info1 = DEQ(cell, z_shape=(3,), max_steps=1, throw=False)(x, return_info=True)
     assert int(info1.status) != SUCCESS
+
+
+def test_deq_throw_false_needs_return_info(x64):
+    deq = DEQ(LinearCell(_contraction(3, 0.5, seed=7)), z_shape=(3,), throw=False)
+    x = jnp.ones(3)
+    with pytest.raises(ValueError, match=r"DEQ: .*`throw=False`.*return_info=True"):
+        deq(x)
+    z, info = deq(x, return_info=True)
+    assert int(info.status) == SUCCESS
+    np.testing.assert_allclose(z, np.linalg.solve(np.eye(3) - np.asarray(deq.cell.W), x))
+
+
+def test_deq_fixed_point_default_adjoint_on_a_cell_that_does_not_contract(x64):
+    """`adjoint=None` (fixed_point's default) after Anderson, on z = W z + x with an
+    eigenvalue of W near -1.5: the gradients match the closed form."""
+    W = jnp.array([[-1.5, 0.2, 0.0], [0.1, 0.4, 0.3], [0.0, -0.2, 0.1]])
+    assert np.max(np.abs(np.linalg.eigvals(np.asarray(W)))) > 1.4
+    x = jnp.asarray(_rng(8).standard_normal(3))
+    deq = DEQ(LinearCell(W), z_shape=(3,), adjoint=None, rtol=1e-12, atol=1e-12)
+    IW = np.eye(3) - np.asarray(W)
+    z_star = np.linalg.solve(IW, x)
+    np.testing.assert_allclose(deq(x), z_star, rtol=1e-9, atol=1e-10)
+    u = np.linalg.solve(IW.T, C)
+    g_deq = eqx.filter_grad(lambda m: jnp.dot(C, m(x)))(deq)
+    np.testing.assert_allclose(g_deq.cell.W, np.outer(u, z_star), rtol=1e-8, atol=1e-9)
+    g_x = jax.grad(lambda x: jnp.dot(C, deq(x)))(x)
+    np.testing.assert_allclose(g_x, u, rtol=1e-8, atol=1e-9)
 
 
 def test_deq_return_info(x64):
