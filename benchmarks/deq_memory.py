@@ -6,8 +6,10 @@ norm 0.9, a contraction), batch 64, loss `mean((z* - y)^2)`, one
 `value_and_grad` step with respect to the cell's parameters, float32:
 
 * implicit: `solvers.nn.DEQ(cell, method="iterate", max_steps=N, rtol=0, atol=0,
-  throw=False)`: the forward iteration cannot meet a zero tolerance, so it runs exactly
-  N steps; the backward pass is one GMRES solve with `I - d cell/dz` (DEQ's default);
+  throw=False)`, called with `return_info=True` (which `throw=False` requires; the
+  info, status MAX_STEPS by design, is discarded): the forward iteration cannot meet a
+  zero tolerance, so it runs exactly N steps; the backward pass is one GMRES solve with
+  `I - d cell/dz` (DEQ's default);
 * unrolled: `lax.fori_loop` over the same N steps of the same cell, differentiated by
   JAX (a scan that keeps the N states).
 
@@ -171,9 +173,11 @@ def deq_rows(s: dict[str, Any]) -> list[Row]:
 
     def implicit(n):
         # A zero tolerance is never met: exactly n steps, then status MAX_STEPS (no raise).
+        # `throw=False` needs `return_info=True`; that known status is dropped.
         def solve(c, x):
             kw = dict(method="iterate", max_steps=n, rtol=0.0, atol=0.0, throw=False)
-            return DEQ(c, z_shape=(h,), **kw)(x)
+            z, _ = DEQ(c, z_shape=(h,), **kw)(x, return_info=True)
+            return z
 
         return solve
 
@@ -339,7 +343,7 @@ def fixed_steps(n_steps: int, t1: float, *, remat: bool) -> Callable[[Any, Any],
         field = lambda y, t, f: f(y, t)  # noqa: E731
 
         def one(y, k, t):
-            y1, _, k1, _, _ = method.step_with_stages(field, y, k, t, h, f, rtol=ODE_RTOL)
+            y1, _, k1, _, _ = method.step_with_stages(field, y, k, t, h, f)
             return y1, k1
 
         one = jax.checkpoint(one) if remat else one
@@ -441,6 +445,7 @@ def render(rows: list[Row], mode: str, wall: float, load: tuple[float, float], s
     notes = (
         f"DEQ: hidden {s['hidden']}, batch {s['batch']}, float32; `implicit` is "
         "`solvers.nn.DEQ(method='iterate', max_steps=N, rtol=0, atol=0, throw=False)` "
+        "called with `return_info=True`, the info discarded "
         "(exactly N forward steps, GMRES backward), `unrolled` is `lax.fori_loop` over the "
         "same N steps differentiated by JAX. The two gradients differ by the unrolled "
         "truncation error at small N. NeuralODE: MLP field width 64, depth 2, batch "

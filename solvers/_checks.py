@@ -10,7 +10,14 @@ import numpy as np
 
 from implicitdiff._jax_compat import in_checked_shard_map
 
-__all__ = ["static_int", "static_float", "static_bool", "float_dtype", "returns_like"]
+__all__ = [
+    "static_int",
+    "static_float",
+    "static_bool",
+    "status_returned",
+    "float_dtype",
+    "returns_like",
+]
 
 
 def static_int(name: str, arg: str, value: Any, *, minimum: int) -> int:
@@ -55,6 +62,32 @@ def static_bool(name: str, arg: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: `{arg}` must be True or False, got {value!r}")
     return value
+
+
+def status_returned(
+    name: str, throw: bool, return_info: bool, *, layer_call: str | None = None
+) -> None:
+    """Refuse `throw=False` without `return_info=True`: nothing would show a failed solve.
+
+    With `throw=False` a failed solve raises nothing, so the status in the returned info
+    is the only sign of it; without the info the answer could be wrong unnoticed.
+    `layer_call` is for a layer whose `throw` is set at construction and whose
+    `return_info` is a call argument: how to call it so that the info comes back.
+    """
+    if throw or return_info:
+        return
+    if layer_call is None:
+        raise ValueError(
+            f"{name}: `throw=False` turns off the error raised when the solve fails, "
+            "so the status must come back with the answer: pass `return_info=True` as "
+            "well and check `info.status` (or `info.converged`), or keep `throw=True`"
+        )
+    raise ValueError(
+        f"{name}: this layer has `throw=False`, so a solve that fails raises nothing "
+        "and its status must come back with the answer: call it as "
+        f"`{layer_call}` and check `info.status` (or `info.converged`), or build the "
+        "layer with `throw=True`"
+    )
 
 
 def float_dtype(name: str, arg: str, tree: Any) -> np.dtype:

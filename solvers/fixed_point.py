@@ -50,6 +50,7 @@ from ._checks import (
     static_bool,
     static_float,
     static_int,
+    status_returned,
 )
 from ._info import (
     MAX_STEPS,
@@ -188,12 +189,7 @@ def fixed_point(
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
-    if not throw and not return_info:
-        raise ValueError(
-            "fixed_point: `throw=False` turns off the error raised when the solve fails, "
-            "so the status must come back with the answer: pass `return_info=True` as "
-            "well and check `info.status` (or `info.converged`), or keep `throw=True`"
-        )
+    status_returned(name, throw, return_info)
     if adjoint is not None and not callable(adjoint) and adjoint not in _ADJOINTS:
         raise ValueError(
             f"fixed_point: `adjoint` must be None (the default), one of {_ADJOINTS} or a "

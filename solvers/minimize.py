@@ -27,7 +27,13 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import implicit_diff, linear_solve
 
-from ._checks import float_dtype, not_in_checked_shard_map, static_bool, static_int
+from ._checks import (
+    float_dtype,
+    not_in_checked_shard_map,
+    static_bool,
+    static_int,
+    status_returned,
+)
 from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo, max_norm, report
 
 __all__ = ["minimize"]
@@ -81,7 +87,9 @@ def minimize(
             problems, CG for large ones; `"dense"`, `"cg"`, `"gmres"`,
             `"bicgstab"`) or any transposable `solve(matvec, b)`.
         throw: raise at run time when the solve fails (max steps, non-finite
-            values); with `throw=False` the status is in the returned info.
+            values). `throw=False` needs `return_info=True`: the status in the
+            returned info is then the only sign of a failed solve (a `ValueError`
+            otherwise).
         return_info: also return a `SolveInfo` (steps, `max |grad_x fun|`, status).
 
     Returns:
@@ -118,6 +126,7 @@ def minimize(
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
+    status_returned(name, throw, return_info)
     dtype = float_dtype(name, "x0", x0)
     _check_scalar_objective(fun, x0, args)
     default = 1e-10 if jnp.dtype(dtype).itemsize >= 8 else 1e-5

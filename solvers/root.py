@@ -23,7 +23,14 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import custom_root, linear_solve
 
-from ._checks import float_dtype, not_in_checked_shard_map, returns_like, static_bool, static_int
+from ._checks import (
+    float_dtype,
+    not_in_checked_shard_map,
+    returns_like,
+    static_bool,
+    static_int,
+    status_returned,
+)
 from ._info import (
     BAD_BRACKET,
     MAX_STEPS,
@@ -87,8 +94,9 @@ def root(
             transposable `solve(matvec, b)`, e.g. a `functools.partial` of one of
             them with options.
         throw: raise at run time when the solve fails (max steps, non-finite
-            values, a bracket without a sign change); with `throw=False` the
-            status is in the returned info.
+            values, a bracket without a sign change). `throw=False` needs
+            `return_info=True`: the status in the returned info is then the only
+            sign of a failed solve (a `ValueError` otherwise).
         return_info: also return a `SolveInfo` (steps, `max |f(x)|`, status).
 
     Returns:
@@ -115,6 +123,7 @@ def root(
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
+    status_returned(name, throw, return_info)
     dtype = float_dtype(name, "x0", x0)
     returns_like(name, "f(x0, *args)", jax.eval_shape(f, x0, *args), "x0", x0)
     rtol = default_tolerance(dtype) if rtol is None else rtol

@@ -13,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from implicitdiff import error_if
 
-from ._checks import not_in_checked_shard_map, static_bool
+from ._checks import not_in_checked_shard_map, static_bool, status_returned
+from ._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, STATUS_NAMES, SUCCESS, max_norm
 from .odeint import Method, _positive, odeint
 from .root import root
 
@@ -57,11 +59,15 @@ def steady_state(
         atol: absolute tolerance of the integration phase.
         settle: when to switch from integrating to Newton's method.
         max_time: give up (status `MAX_STEPS`) when the state has not settled after
-            integrating this long.
+            integrating this long. When the integration itself fails (e.g. a
+            non-finite state), the state is NaN and the status `NONFINITE`.
         linear_solver: the linear solver of the Newton steps and of the derivatives
             (see `solvers.root`).
         throw: raise at run time when the state does not settle or Newton fails.
-        return_info: also return the `SolveInfo` of the Newton phase.
+            `throw=False` needs `return_info=True`: the status in the returned
+            info is then the only sign of a failed solve (a `ValueError` otherwise).
+        return_info: also return a `SolveInfo`: the steps and residual of the Newton
+            phase, and a status that is not `SUCCESS` when either phase failed.
 
     Returns:
         The equilibrium, a pytree like `y0`; `(y, info)` when `return_info`.
@@ -82,28 +88,34 @@ def steady_state(
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
+    status_returned(name, throw, return_info)
 
     def field(y, *a):
         return func(y, t0, *a)
 
     def residual(y, a):
-        fy = jax.tree_util.tree_leaves(field(y, *a))
-        size = max(jnp.max(jnp.abs(v)) for v in fy)
-        scale = 1 + max(jnp.max(jnp.abs(v)) for v in jax.tree_util.tree_leaves(y))
+        # max_norm, not Python's max: comparing traced leaves would need their values.
+        size = max_norm(jax.tree_util.tree_leaves(field(y, *a)))
+        scale = 1 + max_norm(jax.tree_util.tree_leaves(y))
         return size, scale
 
     # The integration phase: forward only, nothing is differentiated through it.
     y_start, a_start = jax.lax.stop_gradient((y0, args))
 
     def unsettled(carry):
-        y, span, elapsed = carry
+        y, span, elapsed, ode_status = carry
         size, scale = residual(y, a_start)
-        return (size > settle * scale) & (elapsed < max_time) & jnp.isfinite(size)
+        return (
+            (size > settle * scale)
+            & (elapsed < max_time)
+            & jnp.isfinite(size)
+            & (ode_status == SUCCESS)
+        )
 
     def advance(carry):
-        y, span, elapsed = carry
+        y, span, elapsed, _ = carry
         ts = jnp.stack([jnp.zeros_like(span), span])
-        ys = odeint(
+        ys, ode_info = odeint(
             lambda y, t, *a: func(y, t0, *a),
             y,
             ts,
@@ -111,31 +123,53 @@ def steady_state(
             rtol=rtol,
             atol=atol,
             method=method,
-            throw=False,  # a failure leaves NaN, which the check below reports
+            throw=False,  # reported below, with this phase's own message
+            return_info=True,
         )
-        y = jax.tree_util.tree_map(lambda v: v[-1], ys)
-        return y, 2 * span, elapsed + span
+        # A failed integration leaves NaN, so the Newton phase reports NONFINITE too.
+        y = jax.tree_util.tree_map(lambda v: jnp.where(ode_info.converged, v[-1], jnp.nan), ys)
+        return y, 2 * span, elapsed + span, ode_info.status.astype(jnp.int32)
 
     dtype = jnp.result_type(*jax.tree_util.tree_leaves(y0))
     one = jnp.asarray(1.0, jnp.finfo(dtype).dtype)
-    y_int, _, elapsed = jax.lax.while_loop(unsettled, advance, (y_start, one, 0 * one))
+    start = (y_start, one, 0 * one, jnp.asarray(SUCCESS, jnp.int32))
+    y_int, _, elapsed, ode_status = jax.lax.while_loop(unsettled, advance, start)
+    size, scale = residual(y_int, a_start)
+    settled = size <= settle * scale
     if throw:
-        size, scale = residual(y_int, a_start)
+        codes = ", ".join(
+            f"{code}: {STATUS_NAMES[code]}" for code in (MAX_STEPS, NONFINITE, DT_UNDERFLOW)
+        )
         y_int = error_if(
             y_int,
-            ~(size <= settle * scale),
+            ode_status != SUCCESS,
+            "steady_state: the integration phase failed before {elapsed:.4g} time units: "
+            "odeint status {status} (" + codes + "). The state may blow up in finite time "
+            "from y0, or the system be stiff (try method='kvaerno5'); check func and its "
+            "inputs for NaN.",
+            values={"status": ode_status, "elapsed": elapsed},
+        )
+        y_int = error_if(
+            y_int,
+            ~settled,
             "steady_state: the state did not settle: max|func(y)| = {size:.3e} after "
             "integrating for {elapsed:.4g} time units (max_time = " + f"{max_time:g}). "
             "The system may oscillate, diverge or have no stable equilibrium reachable "
             "from y0; raise `max_time`, or loosen `settle`.",
             values={"size": size, "elapsed": elapsed},
         )
-    return root(
+    y, info = root(
         field,
         y_int,
         *args,
         method="newton",
         linear_solver=linear_solver,
         throw=throw,
-        return_info=return_info,
+        return_info=True,
     )
+    if not return_info:
+        return y
+    # Newton may converge from a state that has not settled, to an equilibrium that y0
+    # does not flow to: that is a failure of the integration phase (status MAX_STEPS).
+    status = jnp.where(settled | (info.status != SUCCESS), info.status, MAX_STEPS)
+    return y, eqx.tree_at(lambda i: i.status, info, status.astype(info.status.dtype))

@@ -12,6 +12,8 @@ batch placed by `NamedSharding(mesh, P("batch"))` and the parameters replicated:
 
 * forward: `jit(vmap(f))` on the sharded batch equals the same on an unsharded batch,
   and the output keeps the batch sharding (no gather);
+* forward with `throw=False` (and `return_info=True`, which it requires): the same
+  output, still batch-sharded, and every element's status `SUCCESS`;
 * train step: `filter_jit(filter_value_and_grad(loss))` with a mean-squared loss over
   the batch equals the unsharded one, and the gradient is replicated.
 
@@ -92,27 +94,35 @@ def _xs(dim: int = DIM) -> jax.Array:
 
 TS = jnp.linspace(0.0, 1.0, 4)
 
+# Each case takes `throw`. With `throw=False` its `f` also returns the solver's info
+# (`return_info=True`, which `throw=False` requires): `f(params, x) -> (out, info)`.
+
+
+def _call(throw: bool, *trailing: Any) -> Callable[[Any, Any], Any]:
+    """`m(x, *trailing)`, with the info when `throw=False`."""
+    return lambda m, x: m(x, *trailing, return_info=not throw)
+
 
 def case_deq(throw: bool = True):
     model = DEQ(Cell(eqx.nn.Linear(DIM, DIM, key=_key(0))), z_shape=(DIM,), throw=throw)
-    return model, lambda m, x: m(x), _xs()
+    return model, _call(throw), _xs()
 
 
 def _node(adjoint: str, throw: bool = True):
     field = Field(eqx.nn.MLP(2, 2, 8, 2, activation=jnp.tanh, key=_key(1)))
     model = NeuralODE(field, adjoint=adjoint, rtol=1e-5, atol=1e-5, throw=throw)
-    return model, lambda m, y0: m(y0, TS), _xs(2)
+    return model, _call(throw, TS), _xs(2)
 
 
 def case_root_layer(throw: bool = True):
     model = RootLayer(Residual(eqx.nn.Linear(DIM, DIM, key=_key(2))), z_shape=(DIM,), throw=throw)
-    return model, lambda m, x: m(x), _xs()
+    return model, _call(throw), _xs()
 
 
 def case_argmin_layer(throw: bool = True):
     objective = Objective(jnp.array(0.0), jnp.linspace(0.5, 1.5, DIM))
     model = ArgminLayer(objective, z_shape=(DIM,), throw=throw)
-    return model, lambda m, x: m(x), _xs()
+    return model, _call(throw), _xs()
 
 
 def case_fixed_point(throw: bool = True):
@@ -120,7 +130,11 @@ def case_fixed_point(throw: bool = True):
 
     def f(a, x):
         return solvers.fixed_point(
-            lambda a, z: a * jnp.cos(z) + 0.1 * x, a, jnp.zeros_like(x), throw=throw
+            lambda a, z: a * jnp.cos(z) + 0.1 * x,
+            a,
+            jnp.zeros_like(x),
+            throw=throw,
+            return_info=not throw,
         )
 
     return a, f, _xs()
@@ -130,7 +144,14 @@ def case_root(throw: bool = True):
     c = jnp.array(2.0)
 
     def f(c, x):
-        return solvers.root(lambda z, c, x: z**3 + c * z - x, jnp.zeros_like(x), c, x, throw=throw)
+        return solvers.root(
+            lambda z, c, x: z**3 + c * z - x,
+            jnp.zeros_like(x),
+            c,
+            x,
+            throw=throw,
+            return_info=not throw,
+        )
 
     return c, f, _xs()
 
@@ -145,6 +166,7 @@ def case_minimize(throw: bool = True):
             w,
             x,
             throw=throw,
+            return_info=not throw,
         )
 
     return w, f, _xs()
@@ -164,6 +186,7 @@ def _odeint(adjoint: str, throw: bool = True):
             rtol=1e-6,
             atol=1e-6,
             throw=throw,
+            return_info=not throw,
         )
 
     return k, f, _xs(2)
@@ -229,9 +252,12 @@ def check(name: str, build: Callable[..., Any], mesh: Mesh) -> dict[str, Any]:
     out = forward(p_sh, xs_sh)
     row["forward agrees"] = _close(out, out_ref)
     row["output batch-sharded"] = all(_has(o, batch_sh) for o in jax.tree_util.tree_leaves(out))
-    out = forward_of(f_nothrow)(_replicate(params_nothrow, repl), xs_sh)
-    row["output batch-sharded (throw=False)"] = _close(out, out_ref) and all(
-        _has(o, batch_sh) for o in jax.tree_util.tree_leaves(out)
+    out, info = forward_of(f_nothrow)(_replicate(params_nothrow, repl), xs_sh)
+    row["output batch-sharded (throw=False)"] = (
+        _close(out, out_ref)
+        and all(_has(o, batch_sh) for o in jax.tree_util.tree_leaves(out))
+        and info.status.shape == (BATCH,)
+        and bool(np.all(np.asarray(info.status) == solvers.SUCCESS))
     )
     (v_ref, g_ref) = step(params, xs)
     (v, g) = step(p_sh, xs_sh)

@@ -387,6 +387,23 @@ def test_nan_is_reported(method):
         jax.block_until_ready(log_a(jnp.nan, method))
 
 
+def test_throw_false_needs_return_info():
+    """Without the run-time check and without the status, nothing would show a failure."""
+    match = r"minimize: `throw=False`.*`return_info=True`"
+    with pytest.raises(ValueError, match=match):
+        log_a(5.0, throw=False)
+    with pytest.raises(ValueError, match=match):
+        log_a(5.0, "optax.sgd", throw=False)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(jax.grad(lambda a: log_a(a, "newton", throw=False)))(5.0)
+    # With the info the same failing solve reports, and a good one answers.
+    x, info = log_a(5.0, "optax.sgd", max_steps=2, throw=False, return_info=True)
+    assert int(info.status) == MAX_STEPS and not bool(info.converged)
+    x, info = log_a(5.0, "newton", throw=False, return_info=True)
+    assert int(info.status) == SUCCESS
+    np.testing.assert_allclose(x, np.log(5.0), rtol=1e-5)  # float32: |grad| <= 1e-5 (1 + 5)
+
+
 def test_status_per_vmap_element():
     """sgd(0.5) on 0.5 h x^2 - x, minimised at 1 / h: the step contracts by |1 - h / 2|,
     slowly for h = 0.01, so that element runs out of steps; h = 2 takes one exact step."""

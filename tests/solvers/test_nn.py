@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from solvers import SUCCESS
+from solvers import MAX_STEPS, SUCCESS
 from solvers.nn import DEQ, ArgminLayer, NeuralODE, RootLayer
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -45,6 +45,15 @@ class LinearResidual(eqx.Module):
 
     def __call__(self, z, x):
         return self.A @ z - x
+
+
+class QuadraticField(eqx.Module):
+    """`dy/dt = c y^2`: from `y(0) = 1` the solution `1 / (1 - c t)` blows up at `1 / c`."""
+
+    c: jax.Array
+
+    def __call__(self, y, t):
+        return self.c * y**2
 
 
 class Ridge(eqx.Module):
@@ -347,6 +356,67 @@ def test_argmin_layer_optax_method(x64):
     np.testing.assert_allclose(layer(x), x / 2, rtol=1e-7, atol=1e-8)
     g = eqx.filter_grad(lambda m: jnp.dot(C, m(x)))(layer)
     np.testing.assert_allclose(g.objective.log_lam, -np.dot(C, x) / 4, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# `throw=False` needs `return_info=True` (DEQ: `test_deq_throw_false_needs_return_info`).
+
+
+def test_neural_ode_throw_false_needs_return_info(x64):
+    ts = jnp.array([0.0, 0.5, 2.0])
+    node = NeuralODE(QuadraticField(jnp.asarray(1.0)), throw=False)
+    with pytest.raises(ValueError, match=r"NeuralODE: .*`throw=False`.*return_info=True"):
+        node(jnp.asarray(1.0), ts)
+    with pytest.raises(ValueError, match=r"NeuralODE: .*`throw=False`.*return_info=True"):
+        eqx.filter_grad(lambda m: m(jnp.asarray(1.0), ts)[1])(node)
+    # With the info, the blow-up at t = 1 comes back as a status and NaN past it.
+    ys, info = node(jnp.asarray(1.0), ts, return_info=True)
+    assert int(info.status) != SUCCESS and not bool(info.converged)
+    assert abs(float(info.t_final) - 1.0) < 1e-3
+    np.testing.assert_allclose(ys[1], 2.0, rtol=1e-5)  # 1 / (1 - 0.5)
+    assert np.isnan(float(ys[2]))
+    # and a solve that succeeds answers as with throw=True
+    tight = NeuralODE(QuadraticField(jnp.asarray(-1.0)), rtol=1e-10, atol=1e-10, throw=False)
+    ys, info = tight(jnp.asarray(1.0), ts, return_info=True)
+    assert int(info.status) == SUCCESS
+    np.testing.assert_allclose(ys, 1.0 / (1.0 + ts), rtol=1e-7)
+
+
+def test_root_layer_throw_false_needs_return_info(x64):
+    A = _well_conditioned(3, seed=8)
+    x = jnp.asarray(_rng(9).standard_normal(3))
+    layer = RootLayer(LinearResidual(A), z_shape=(3,), throw=False)
+    with pytest.raises(ValueError, match=r"RootLayer: .*`throw=False`.*return_info=True"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"RootLayer: .*`throw=False`.*return_info=True"):
+        eqx.filter_grad(lambda m: jnp.dot(C, m(x)))(layer)
+    z, info = layer(x, return_info=True)
+    assert int(info.status) == SUCCESS
+    np.testing.assert_allclose(z, np.linalg.solve(A, x), rtol=1e-8, atol=1e-9)
+    # One Newton step reaches the root of a linear residual, but the step test needs a
+    # second: with max_steps=1 the solve fails, and says so.
+    short = RootLayer(LinearResidual(A), z_shape=(3,), max_steps=1, throw=False)
+    _, info = short(x, return_info=True)
+    assert int(info.status) == MAX_STEPS and int(info.steps) == 1
+
+
+def test_argmin_layer_throw_false_needs_return_info(x64):
+    x = jnp.array([1.0, -2.0, 3.0])
+    layer = ArgminLayer(Ridge(jnp.asarray(0.0)), z_shape=(3,), method="newton", throw=False)
+    with pytest.raises(ValueError, match=r"ArgminLayer: .*`throw=False`.*return_info=True"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"ArgminLayer: .*`throw=False`.*return_info=True"):
+        eqx.filter_grad(lambda m: jnp.dot(C, m(x)))(layer)
+    z, info = layer(x, return_info=True)
+    assert int(info.status) == SUCCESS
+    np.testing.assert_allclose(z, x / 2, rtol=1e-8, atol=1e-9)
+    # Two small gradient steps leave the minimiser far away: reported, not raised.
+    slow = ArgminLayer(
+        Ridge(jnp.asarray(0.0)), z_shape=(3,), method=optax.sgd(0.01), max_steps=2, throw=False
+    )
+    z, info = slow(x, return_info=True)
+    assert int(info.status) == MAX_STEPS and int(info.steps) == 2
+    assert float(jnp.max(jnp.abs(z - x / 2))) > 0.5
 
 
 # ---------------------------------------------------------------------------

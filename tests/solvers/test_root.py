@@ -311,6 +311,23 @@ def test_nan_is_reported(method):
         jax.block_until_ready(cube_root(jnp.nan, method))
 
 
+def test_throw_false_needs_return_info():
+    """Without the run-time check and without the status, nothing would show a failure."""
+    match = r"root: `throw=False`.*`return_info=True`"
+    with pytest.raises(ValueError, match=match):
+        cube_root(5.0, throw=False)
+    with pytest.raises(ValueError, match=match):
+        cube_root(5.0, "bisection", throw=False)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(jax.grad(lambda a: cube_root(a, throw=False)))(5.0)
+    # With the info the same failing solve reports, and a good one answers.
+    x, info = cube_root(5.0, max_steps=2, throw=False, return_info=True)
+    assert int(info.status) == MAX_STEPS and not bool(info.converged)
+    x, info = cube_root(8.0, throw=False, return_info=True)
+    assert int(info.status) == SUCCESS
+    np.testing.assert_allclose(x, 2.0, rtol=1e-6)
+
+
 def test_bad_bracket():
     x, info = cube_root(2000.0, "bisection", throw=False, return_info=True)
     assert int(info.status) == BAD_BRACKET and int(info.steps) == 0
