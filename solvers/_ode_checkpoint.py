@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from implicitdiff import Primitive
 from implicitdiff._errors import any_over_batch, max_over_batch
 
-from ._ode_loop import LoopConfig, output_window
+from ._ode_loop import LoopConfig, output_window, stepper
 from ._ode_methods import (
     BASIS_K_NEXT,
     BASIS_STAGES,
@@ -81,8 +81,8 @@ class CheckpointSweep(_Sweep):
     """`(y0_bar, pd_bar)` of one solve: the cotangent `g` of its outputs pulled back
     through the recorded steps.
 
-    Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, latest states, f
-    at them)` and `record = (t, h, out_step, out_theta, steps)` (see
+    Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, f at them, latest
+    states, f at them)` and `record = (t, h, out_step, out_theta, steps)` (see
     `_ode_loop.Record`).
     Params: `f` (the flat field `f(y, t, pd, pn)`), `loop` (the forward solve's
     `LoopConfig`), `every` (steps between checkpoints).
@@ -178,19 +178,19 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     so its cotangent is handed to that step, which evaluates `f` there anyway. One
     field evaluation per step fewer, and one pull-back through `f(y0, t0)` at the end.
     """
-    y_cp, y_last, k_last = y_cp
+    y_cp, k_cp, y_last, k_last = y_cp
     rec_t, rec_h, out_step, out_theta, steps = rec
     size, n_out, n = g.shape
     method = loop.method
     cap = rec_t.shape[1]
     window = output_window(n_out, n)
     pd_axes, pn_axes = p_axes
-    field = lambda y, t, params: f(y, t, *params)  # noqa: E731
+    step = stepper(f, method)
 
     def one_step(y, k1, t, h, pd, pn):
         # One element's step from `y` with `k1 = f(y, t)`, with what its interpolant is
         # built from: (y1, k_next, ks).
-        y1, _, k_next, _, ks = method.step_with_stages(field, y, k1, t, h, (pd, pn), rtol=loop.rtol)
+        y1, _, k_next, _, ks = step(y, k1, t, h, (pd, pn), loop.stage_tol)
         return y1, k_next, ks
 
     batch_step = jax.vmap(one_step, (0, 0, 0, 0, pd_axes, pn_axes))
@@ -312,8 +312,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         replay = max_over_batch(jnp.max(jnp.where(kept, 0, m)))
 
         def replayed():
-            y_start = y_cp[:, seg]
-            k_start = batch_field(y_start, step_at(k0)[0], pd, pn)
+            y_start, k_start = y_cp[:, seg], k_cp[:, seg]
             ys = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(y_start)
             k1s = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(k_start)
             return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s))

@@ -38,7 +38,7 @@ import numpy as np
 from implicitdiff._errors import any_over_batch
 
 from ._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS
-from ._ode_methods import Method, evaluate_step, step_coefficients
+from ._ode_methods import Method, StageTolerance, evaluate_step, step_coefficients
 
 __all__ = [
     "LoopConfig",
@@ -46,6 +46,7 @@ __all__ = [
     "checkpoint_every",
     "integrate",
     "output_window",
+    "stepper",
 ]
 
 _SAFETY, _IFACTOR, _DFACTOR = 0.9, 10.0, 0.2
@@ -73,6 +74,11 @@ class LoopConfig:
     def every(self) -> int:
         return checkpoint_every(self.record)
 
+    @property
+    def stage_tol(self) -> StageTolerance:
+        """The accuracy of an implicit method's stage solves: the error control's."""
+        return StageTolerance(rtol=self.rtol, atol=self.atol, size=self.err_size)
+
 
 def checkpoint_every(record: int) -> int:
     """Accepted steps between two checkpoints of the state when recording `record`
@@ -82,7 +88,9 @@ def checkpoint_every(record: int) -> int:
 
 class Record(dict):
     """What a recording run keeps: `t`, `h` (each accepted step's start and size),
-    `y_cp` (the state every `every` accepted steps, from step 0), `y_last` and
+    `y_cp` and `k_cp` (the state every `every` accepted steps, from step 0, and the
+    `f` there that the next step starts from: the carried value, which an implicit
+    method takes from its stage equation, so a replay matches the solve), `y_last` and
     `k_last` (the starts of the latest `every` steps and `f` there, step `k` in row
     `k % every`), `out_step` (the accepted-step count at which each output was
     reached: the output lies in step `out_step - 1`), `out_theta` (where in that
@@ -151,8 +159,29 @@ def _initial_step(method, f, y0, k0, t0, params, cfg):
     return jnp.minimum(100 * h0, h1)
 
 
-def integrate(f, y0, ts, params, cfg: LoopConfig):
-    """Integrate `y' = f(y, t, params)` from `(ts[0], y0)` through every `ts[i]`.
+def stepper(field, method: Method):
+    """One step of `method` on `field` (called `field(y, t, *params)`):
+    `step(y, k1, t, h, params, tol) -> (y1, y_error, k1_next, ok, stages)`.
+
+    A field may define its own `step(method, y, k1, t, h, params, tol)`: the forward
+    sensitivities' field steps as the derivative of the step it differentiates
+    (`odeint._TangentField`)."""
+    own = getattr(field, "step", None)
+    if own is not None:
+        return lambda y, k1, t, h, params, tol: own(method, y, k1, t, h, params, tol)
+
+    def f(y, t, params):
+        return field(y, t, *params)
+
+    def step(y, k1, t, h, params, tol):
+        return method.step_with_stages(f, y, k1, t, h, params, tol=tol)
+
+    return step
+
+
+def integrate(f, y0, ts, params, cfg: LoopConfig, step=None):
+    """Integrate `y' = f(y, t, params)` from `(ts[0], y0)` through every `ts[i]`,
+    taking each step with `step` (see `stepper`; by default `cfg.method`'s own).
 
     Returns `(ys, stats, record)`: `ys` has one row per output time (`ys[0] = y0`),
     `stats` is a dict of counters, the final time and the status, and `record` is a
@@ -163,6 +192,11 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
     the rows past the last step repeat the final state and time (NaN on failure).
     """
     method = cfg.method
+    if step is None:
+
+        def step(y, k1, t, h, params, tol):
+            return method.step_with_stages(f, y, k1, t, h, params, tol=tol)
+
     dt = y0.dtype
     tdt = _real_dtype(dt)
     ts = jax.lax.stop_gradient(jnp.asarray(ts, tdt))
@@ -186,6 +220,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         carry["rec_t"] = jnp.zeros((cfg.record + 1,), tdt)  # the last one is a spare
         carry["rec_h"] = jnp.zeros((cfg.record + 1,), tdt)
         carry["y_cp"] = jnp.zeros((n_cp, n), dt).at[0].set(y0)
+        carry["k_cp"] = jnp.zeros((n_cp, n), dt).at[0].set(k0)
         carry["y_last"] = jnp.zeros((every + 1, n), dt)  # the last one is a spare
         carry["k_last"] = jnp.zeros((every + 1, n), dt)
     eps = float(jnp.finfo(tdt).eps)
@@ -202,9 +237,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         # Stretch a step by up to 1% (adaptive) rather than leave a sliver before an output.
         last = to_end <= h * (1.01 if method.adaptive else 1 + 64 * eps)
         h_step = jnp.where(last, to_end, h)
-        y1, err, k1, ok, ks = method.step_with_stages(
-            f, y, k, t, h_step.astype(tdt), params, rtol=cfg.rtol
-        )
+        y1, err, k1, ok, ks = step(y, k, t, h_step.astype(tdt), params, cfg.stage_tol)
         t1 = jnp.where(last, target, t + h_step)
         finite = jnp.all(jnp.isfinite(y1)) & jnp.all(jnp.isfinite(k1))
         if method.adaptive:
@@ -266,6 +299,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             store = accept & (acc % cfg.every == 0) & (acc // cfg.every < spare)
             cp = jnp.where(store, acc // cfg.every, spare)
             out["y_cp"] = c["y_cp"].at[cp].set(y1)
+            out["k_cp"] = c["k_cp"].at[cp].set(k1)
             # The start of the latest `every` steps, step k in slot k % every: the
             # sweep then needs no replay for the last segment (for a short solve, at
             # all). A rejected attempt writes the same state to the same slot.
@@ -414,11 +448,13 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
         ys = jnp.concatenate([y0[None], ys])
         out_step = jnp.concatenate([jnp.zeros((1,), jnp.int32), out_step])
     attempts = c["acc"] + c["rej"]
-    per_step = method.stages - (1 if method.adaptive else 0)
+    # f(y0, t0), the trial point of the first step size (adaptive methods), and each
+    # attempt's own evaluations.
+    first = 1 + int(method.adaptive)
     stats = dict(
         steps=c["acc"],
         rejected=c["rej"],
-        num_fevals=(1 + 2 * int(method.adaptive) + per_step * attempts).astype(jnp.int32),
+        num_fevals=(first + method.evals_per_step * attempts).astype(jnp.int32),
         t_final=c["t"],
         status=c["status"],
     )
@@ -434,6 +470,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig):
             t=c["rec_t"],
             h=c["rec_h"],
             y_cp=c["y_cp"],
+            k_cp=c["k_cp"],
             y_last=c["y_last"][: cfg.every],
             k_last=c["k_last"][: cfg.every],
             out_step=out_step,

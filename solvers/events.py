@@ -25,11 +25,11 @@ from jax.flatten_util import ravel_pytree
 from implicitdiff import custom_root, error_if
 from implicitdiff._jax_compat import closure_convert
 
-from ._checks import not_in_checked_shard_map, static_bool
+from ._checks import not_in_checked_shard_map, static_bool, status_returned
 from ._info import MAX_STEPS, SUCCESS
 from ._ode_loop import EVENT, LoopConfig, integrate
 from ._ode_methods import METHODS
-from .odeint import Adjoint, Method, _positive, odeint
+from .odeint import Adjoint, Method, ODEInfo, _positive, odeint
 
 __all__ = ["odeint_event"]
 
@@ -49,7 +49,7 @@ def odeint_event(
     hmax: float = jnp.inf,
     method: Method = "dopri5",
     dt: float | None = None,
-    adjoint: Adjoint = "backsolve",
+    adjoint: Adjoint | None = None,
     throw: bool = True,
     return_info: bool = False,
 ) -> Any:
@@ -71,14 +71,17 @@ def odeint_event(
         dt: as for `odeint` (fixed-step methods).
         adjoint: as for `odeint` (the reverse mode of the solves to the event).
         throw: raise at run time when no event happens before `t_max` (or the solve
-            fails); with `throw=False`, `t_max` and the state there come back, with
-            the status `MAX_STEPS` in the info.
-        return_info: also return the status (`SUCCESS` when an event was found).
+            fails); with `throw=False` (which needs `return_info=True`), `t_max` and
+            the state there come back, with the status `MAX_STEPS` in the info.
+        return_info: also return an `ODEInfo` (see Returns).
 
     Returns:
         `(t_event, y_event)`, both differentiable (forward and reverse mode) with
         respect to `y0`, `t0`, `args` and values `func`/`event` close over;
-        `(t_event, y_event, status)` when `return_info`.
+        `(t_event, y_event, info)` when `return_info`, with `info` an `ODEInfo` of the
+        search: its steps, rejected attempts and evaluations up to the step that
+        crossed, `t_final = t_event`, and `status` `SUCCESS` when an event was found
+        (`MAX_STEPS` when `t_max` was reached first, other codes as in `odeint`).
 
     Example:
         ```python
@@ -101,6 +104,7 @@ def odeint_event(
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
+    status_returned(name, throw, return_info)
     if method not in METHODS:
         raise ValueError(f"{name}: `method` must be one of {tuple(METHODS)}, got {method!r}")
     m = METHODS[method]
@@ -168,7 +172,14 @@ def odeint_event(
     ys = odeint(func, y0, jnp.stack([t0, t_event]), *args, adjoint=adjoint, **options)
     y_event = jax.tree_util.tree_map(lambda v: v[-1], ys)
     if return_info:
-        return t_event, y_event, status
+        info = ODEInfo(
+            steps=stats["steps"],
+            rejected=stats["rejected"],
+            num_fevals=stats["num_fevals"],
+            t_final=jax.lax.stop_gradient(t_event),
+            status=status.astype(jnp.int32),
+        )
+        return t_event, y_event, info
     return t_event, y_event
 
 
@@ -179,7 +190,7 @@ def _refine(method, field, g_flat, params, stats, loop):
     side = jnp.sign(g_flat(y, t, params))
 
     def g_after(s):
-        y1 = method.step(field, y, k, t, s, params, rtol=loop.rtol)[0]
+        y1 = method.step(field, y, k, t, s, params, tol=loop.stage_tol)[0]
         return g_flat(y1, t + s, params)
 
     def bisect(_, bounds):

@@ -43,10 +43,10 @@ from jaxtyping import Array, Bool, Float, Int
 from implicitdiff import Primitive, Zero, error_if
 from implicitdiff._jax_compat import closure_convert, instantiate_zeros
 
-from ._checks import not_in_checked_shard_map, static_bool, static_int
+from ._checks import not_in_checked_shard_map, static_bool, static_int, status_returned
 from ._info import SUCCESS
 from ._ode_checkpoint import CheckpointSweep, batch_first, batched_sweep, shared_or_first
-from ._ode_loop import LoopConfig, checkpoint_every, integrate
+from ._ode_loop import LoopConfig, checkpoint_every, integrate, stepper
 from ._ode_methods import ADAPTIVE, FIXED, METHODS
 from ._ode_solution import ODESolution, step_polynomials
 
@@ -63,8 +63,9 @@ class ODEInfo(eqx.Module):
     Attributes:
         steps: accepted steps.
         rejected: rejected step attempts.
-        num_fevals: evaluations of `func` by the explicit stages (an implicit method
-            also spends evaluations in its Newton iterations and Jacobians).
+        num_fevals: evaluations of `func`: at `t[0]`, for the first step size, and by
+            every step attempt (an implicit method also spends evaluations in its
+            Newton iterations and Jacobians, not counted here).
         t_final: the time reached (`t[-1]` on success).
         status: `SUCCESS` (0), `MAX_STEPS` (1: `mxstep` attempts in one output
             interval, or more than `max_steps` steps recorded for
@@ -95,7 +96,7 @@ def odeint(
     hmax: float = jnp.inf,
     method: Method = "dopri5",
     dt: float | None = None,
-    adjoint: Adjoint = "backsolve",
+    adjoint: Adjoint | None = None,
     max_steps: int = 4096,
     throw: bool = True,
     return_info: bool = False,
@@ -127,15 +128,25 @@ def odeint(
         dt: the step of `"rk4"` and `"euler"` (required for them); steps are
             shortened to land on each `t[i]`.
         adjoint: reverse mode by `"backsolve"` (the continuous adjoint integrated
-            backwards, as JAX does; any order) or `"checkpoint"` (the exact gradient of
+            backwards together with the state, as JAX does; any order; memory does not
+            grow with the number of steps) or `"checkpoint"` (the exact gradient of
             the computed solution, replaying the recorded steps from checkpoints;
-            usually faster; once in reverse mode, any order in forward mode).
+            usually faster; once in reverse mode, any order in forward mode). The
+            default (`None`) is `"backsolve"` for the explicit methods, as
+            `jax.experimental.ode.odeint`, and `"checkpoint"` for `"kvaerno5"`: the
+            state of a stiff problem cannot be integrated backwards (its decaying
+            modes grow), and `"backsolve"` raises an error when the state it
+            integrates backwards strays from the forward solution (by more than 1000
+            tolerances over an output interval), which also catches strongly damped
+            and chaotic problems.
         max_steps: for `adjoint="checkpoint"`, the most accepted steps recorded (it
             sets the memory: `sqrt(max_steps)` checkpoints of the state); with
             `dense=True`, the most steps kept.
         throw: raise at run time when the solve fails (`mxstep` exceeded, non-finite
-            state, step size underflow); with `throw=False` the status is in the info
-            and the rows of the output not reached are NaN.
+            state, step size underflow) or its gradient cannot be trusted; with
+            `throw=False` (which needs `return_info=True`) the status is in the info,
+            the rows of the output not reached are NaN, and so is a gradient that
+            cannot be trusted.
         return_info: also return an `ODEInfo`.
         progress: print the time reached while solving (for long solves).
         dense: return an `ODESolution` to evaluate anywhere in the span instead of
@@ -175,8 +186,11 @@ def odeint(
         raise TypeError(f"odeint: `func` must be callable as func(y, t, *args), got {func!r}")
     if method not in METHODS:
         raise ValueError(f"odeint: `method` must be one of {tuple(METHODS)}, got {method!r}")
-    if adjoint not in _ADJOINTS:
-        raise ValueError(f"odeint: `adjoint` must be one of {_ADJOINTS}, got {adjoint!r}")
+    if adjoint is not None and adjoint not in _ADJOINTS:
+        raise ValueError(
+            f"odeint: `adjoint` must be one of {_ADJOINTS} or None (the method's default), "
+            f"got {adjoint!r}"
+        )
     rtol = _positive(name, "rtol", rtol)
     atol = _positive(name, "atol", atol)
     mxstep = _positive(name, "mxstep", mxstep)
@@ -185,6 +199,7 @@ def odeint(
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
+    status_returned(name, throw, return_info)
     static_bool(name, "progress", progress)
     static_bool(name, "dense", dense)
     static_bool(name, "interpolate", interpolate)
@@ -194,6 +209,8 @@ def odeint(
             "pass either dense=True or interpolate=True, not both"
         )
     m = METHODS[method]
+    if adjoint is None:
+        adjoint = "checkpoint" if m.implicit else "backsolve"
     if m.adaptive:
         if dt is not None:
             raise ValueError(
@@ -392,10 +409,15 @@ class _ODESolve(Primitive):
 
     def _run(self, y0, ts, pd, pn, record=0):
         loop = dataclasses.replace(self.cfg.loop, record=record)
-        ys, stats, rec = integrate(self._field(), y0, ts, (pd, pn), loop)
+        step = stepper(self.f, loop.method)
+        ys, stats, rec = integrate(self._field(), y0, ts, (pd, pn), loop, step=step)
         tn = stats.pop("t_nodes", None)
+        rec = None if rec is None else dict(rec)
         if self.cfg.throw:
-            ys = _check(ys, stats, self.cfg)
+            # Checked on the record too: under `grad` only the record may be used (the
+            # solution itself can be dead code), and a solve that failed, or recorded
+            # fewer steps than it took, must not give a gradient silently.
+            ys, rec = _check((ys, rec), stats, self.cfg)
         return (ys, (stats if self.cfg.info else None), tn), rec
 
     def expand(self, y0, ts, pd, pn):
@@ -438,7 +460,6 @@ class _ODESolve(Primitive):
             out = self(y0, ts, pd, pn)
         else:
             out, rec = self._run(y0, ts, pd, pn, record=self.cfg.max_steps)
-            rec = dict(rec)
         # (`ts_ct`: whether the times get a cotangent, told by the residuals' structure.)
         res = dict(
             ys=out[0],
@@ -462,6 +483,7 @@ class _ODESolve(Primitive):
         else:
             states, steps = _record_parts(res["rec"])
             a0, ct_pd = CheckpointSweep.apply(states, g_ys, pd, pn, steps, **self._sweep_params())
+            a0, ct_pd = _finite_sweep(a0, ct_pd, g_ys, self.cfg)
         if res["tn"] is not None or not res["ts_ct"]:
             return a0, None, ct_pd, None
         return a0, _times_cotangent(self.f, ys, ts, pd, pn, g_ys, a0), ct_pd, None
@@ -487,6 +509,7 @@ class _ODESolve(Primitive):
         a0, ct_pd = batched_sweep(
             states, g_ys, (pd, pd_axes), (pn, pn_axes), steps, **self._sweep_params()
         )
+        a0, ct_pd = _finite_sweep(a0, ct_pd, g_ys, self.cfg)
         y0_dims, ts_dims = in_dims[0], in_dims[1]
         ct_ts = None
         if tn is None and res["ts_ct"]:
@@ -502,9 +525,31 @@ class _ODESolve(Primitive):
         return dict(f=self.f, loop=self.cfg.loop, every=checkpoint_every(self.cfg.max_steps))
 
 
+def _finite_sweep(a0, ct_pd, g_ys, cfg):
+    """The sweep's cotangents, with an error (when `cfg.throw`) where they are not
+    finite although the outputs' cotangents are: a NaN gradient never comes back
+    silently."""
+    if not cfg.throw:
+        return a0, ct_pd
+    leaves = [a0, *jax.tree_util.tree_leaves(ct_pd)]
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    bad = jnp.all(jnp.isfinite(g_ys)) & ~finite
+    return error_if((a0, ct_pd), bad, _NONFINITE_SWEEP)
+
+
+_NONFINITE_SWEEP = (
+    "odeint(adjoint='checkpoint'): the gradient is not finite although the solution "
+    "and the cotangents of its outputs are. A step replayed from a checkpoint, or the "
+    "derivative of a step (for an implicit method, the stage equations' Jacobian), "
+    "overflowed: check `func` and its derivatives for values that overflow or divide by "
+    "zero along the solution. Pass throw=False (with return_info=True) to get the "
+    "non-finite gradient instead."
+)
+
+
 def _record_parts(rec):
     """A `Record` as the sweep takes it: the kept states, and the steps and outputs."""
-    states = (rec["y_cp"], rec["y_last"], rec["k_last"])
+    states = (rec["y_cp"], rec["k_cp"], rec["y_last"], rec["k_last"])
     return states, (rec["t"], rec["h"], rec["out_step"], rec["out_theta"], rec["steps"])
 
 
@@ -550,7 +595,15 @@ def _dt_cotangent(fy, cot, t):
 
 class _TangentField:
     """`(y, v)' = (f(y), J v + (df/dpd) dpd)` for forward sensitivities; `pd` holds the
-    parameters followed by their tangents."""
+    parameters followed by their tangents.
+
+    A step of the pair is the derivative of the primal step (`step`), not the method
+    applied to this larger system: for an explicit method the two are the same, but
+    an implicit method would solve the pair's stage equations by its Newton
+    iteration, whose tangent half converges only as far as the iteration runs. The
+    derivative of the step solves each stage's tangent equation exactly (the implicit
+    function theorem on the stage equation), so forward mode gives the derivative of
+    the computed solution, the same as the checkpointed adjoint."""
 
     def __init__(self, f, n, n_pd):
         self.f, self.n, self.n_pd = f, n, n_pd
@@ -561,6 +614,23 @@ class _TangentField:
         p, dp = pd[:k], pd[k:]
         ydot, vdot = jax.jvp(lambda y, p: self.f(y, t, p, pn), (y, p), (v, dp))
         return jnp.concatenate([ydot, vdot])
+
+    def step(self, method, z, kz, t, h, params, tol):
+        n, k = self.n, self.n_pd
+        pd, pn = params
+        f = self.f
+        base_tol = dataclasses.replace(tol, size=None)
+
+        def primal(y, k1, p):
+            field = lambda y, t, p: f(y, t, *p, pn)  # noqa: E731
+            return method.step_with_stages(field, y, k1, t, h, (p,), tol=base_tol)
+
+        (y1, err, k_next, ok, ks), (v1, _, dk_next, _, dks) = jax.jvp(
+            primal, (z[:n], kz[:n], tuple(pd[:k])), (z[n:], kz[n:], tuple(pd[k:]))
+        )
+        join = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
+        err = join(err, jnp.zeros_like(err))
+        return join(y1, v1), err, join(k_next, dk_next), ok, [join(a, b) for a, b in zip(ks, dks)]
 
 
 class _AdjointField:
@@ -590,24 +660,63 @@ def _backsolve(f, cfg, ys, ts, pd, pn, g):
     adj_cfg = _Config(loop=loop, adjoint="backsolve", max_steps=cfg.max_steps, throw=cfg.throw,
                       info=False, backward=True)  # fmt: skip
 
+    rtol, atol = cfg.loop.rtol, cfg.loop.atol
+
     def interval(carry, i):
-        a, p_bar = carry
+        a, p_bar, drift = carry
         a = a + g[i]
         z = jnp.concatenate([ys[i], a, p_bar])
         span = jnp.stack([-ts[i], -ts[i - 1]])
         zs = _ODESolve.apply(z, span, pd, pn, f=field, cfg=adj_cfg)[0]
-        return (zs[-1, n : 2 * n], zs[-1, 2 * n :]), None
+        # How far the state integrated backwards strayed from the forward solution at
+        # the interval's start, in units of the tolerance (see `_BACKSOLVE_DRIFT`).
+        y_back = jax.lax.stop_gradient(zs[-1, :n])
+        scale = atol + rtol * jnp.maximum(jnp.abs(ys[i - 1]), jnp.abs(ys[i]))
+        gap = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(y_back - ys[i - 1]) / scale)))
+        worst = jnp.where(gap > drift[0], jnp.stack([gap, ts[i - 1].real]), drift)
+        return (zs[-1, n : 2 * n], zs[-1, 2 * n :], worst), None
 
-    init = (jnp.zeros((n,), dtype), jnp.zeros(p_flat.shape, dtype))
+    init_drift = jnp.zeros((2,), jnp.finfo(dtype).dtype)
+    init = (jnp.zeros((n,), dtype), jnp.zeros(p_flat.shape, dtype), init_drift)
     steps = jnp.arange(ys.shape[0] - 1, 0, -1)
-    (a, p_bar), _ = jax.lax.scan(interval, init, steps)
+    (a, p_bar, drift), _ = jax.lax.scan(interval, init, steps)
     a = a + g[0]
+    # A state that strays that far makes the Jacobians along the way wrong: the
+    # gradient cannot be trusted. An error (or, with throw=False, NaN) says so.
+    # (The fixed-step methods have no tolerance: their backward error is that of the
+    # step size, as the forward one; only a non-finite state is caught there.)
+    bad = ~(drift[0] <= _BACKSOLVE_DRIFT) if cfg.loop.method.adaptive else jnp.asarray(False)
+    if cfg.throw:
+        a, p_bar = error_if(
+            (a, p_bar), bad, _BACKSOLVE_UNSTABLE, values={"drift": drift[0], "t": drift[1]}
+        )
+    else:
+        a, p_bar = jnp.where(bad, jnp.nan, a), jnp.where(bad, jnp.nan, p_bar)
     ct_pd = None
     if pd:
         if not jnp.iscomplexobj(p_flat):
             p_bar = p_bar.real
         ct_pd = unravel_p(p_bar.astype(p_flat.dtype))
     return a, ct_pd
+
+
+#: The most the backsolve adjoint's state (adaptive methods), integrated backwards over
+#: one output interval, may differ from the forward solution at the interval's start,
+#: in units of the error tolerance (`atol + rtol |y|`, RMS over the state). A stable
+#: backward integration stays within a few tens of units (an error of a few tolerances
+#: per interval); a problem that is stiff, strongly damped or chaotic over the interval
+#: amplifies it by `exp(|lambda| dt)`, and with it the error of the gradient.
+_BACKSOLVE_DRIFT = 1e3
+
+_BACKSOLVE_UNSTABLE = (
+    "odeint(adjoint='backsolve'): integrating the state backwards in time is unstable "
+    "for this problem: at t = {t:.6g} it strayed from the forward solution by "
+    "{drift:.3g} times the tolerance (the limit is " + f"{_BACKSOLVE_DRIFT:g}"
+    "), so the gradient would be wrong. This happens for stiff, strongly damped or "
+    "chaotic systems. Use adjoint='checkpoint' (the exact gradient of the computed "
+    "solution, replayed forwards from checkpoints), or shorten the intervals between "
+    "output times."
+)
 
 
 # ---------------------------------------------------------------------------

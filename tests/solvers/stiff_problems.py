@@ -1,0 +1,203 @@
+"""Stiff problems of the IVP test set with parameters, and their reference derivatives.
+
+Each problem is `f(y, t, p, xp)` (`xp` is `jax.numpy` or `numpy`), an initial state,
+parameters, output times and weights `w`; the quantity checked is the loss
+`sum_i w . y(t_i)` over the outputs after `t[0]`. The references in
+`data/stiff_references.json` are that loss and its derivatives with respect to `p`
+and `y0`, by central differences of SciPy's Radau at `rtol = 1e-12` (an
+implementation and a derivative method independent of ours). Regenerate them with
+
+    python -m tests.solvers.stiff_problems            # all problems, a few minutes
+    python -m tests.solvers.stiff_problems rober      # one
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+REFERENCES = pathlib.Path(__file__).parent / "data" / "stiff_references.json"
+
+
+def rober(y, t, p, xp):
+    """Robertson's chemical kinetics: rates spanning nine orders of magnitude."""
+    return xp.stack(
+        [
+            -p[0] * y[0] + p[2] * y[1] * y[2],
+            p[0] * y[0] - p[2] * y[1] * y[2] - p[1] * y[1] ** 2,
+            p[1] * y[1] ** 2,
+        ]
+    )
+
+
+def hires(y, t, p, xp):
+    """HIRES: plant physiology (light-induced growth), eight species."""
+    return xp.stack(
+        [
+            -p[0] * y[0] + p[1] * y[1] + p[2] * y[2] + p[3],
+            p[0] * y[0] - p[4] * y[1],
+            -p[5] * y[2] + p[1] * y[3] + p[6] * y[4],
+            p[2] * y[1] + p[0] * y[2] - p[7] * y[3],
+            -p[8] * y[4] + p[1] * y[5] + p[1] * y[6],
+            -p[9] * y[5] * y[7] + p[10] * y[3] + p[0] * y[4] - p[1] * y[5] + p[10] * y[6],
+            p[9] * y[5] * y[7] - p[11] * y[6],
+            -p[9] * y[5] * y[7] + p[11] * y[6],
+        ]
+    )
+
+
+def vdpol(y, t, p, xp):
+    """Van der Pol in relaxation form, `eps = p[0]`: slow drifts and fast jumps."""
+    return xp.stack([y[1], ((1 - y[0] ** 2) * y[1] - y[0]) / p[0]])
+
+
+def orego(y, t, p, xp):
+    """The Oregonator (Belousov-Zhabotinskii reaction): a stiff limit cycle."""
+    s, w, q = p[0], p[1], p[2]
+    return xp.stack(
+        [
+            s * (y[1] - y[0] * y[1] + y[0] - q * y[0] ** 2),
+            (-y[1] - y[0] * y[1] + y[2]) / s,
+            w * (y[0] - y[2]),
+        ]
+    )
+
+
+def bruss(n):
+    """The Brusselator on a line of `n` points (Hairer's BRUSS, 2n states)."""
+
+    def f(y, t, p, xp):
+        a, b, alpha = p[0], p[1], p[2]
+        u, v = y[:n], y[n:]
+        c = alpha * (n + 1) ** 2
+        one = xp.ones(1, dtype=y.dtype)
+        ul, ur = xp.concatenate([one, u[:-1]]), xp.concatenate([u[1:], one])
+        vl, vr = xp.concatenate([3 * one, v[:-1]]), xp.concatenate([v[1:], 3 * one])
+        du = a + u * u * v - (b + 1) * u + c * (ul - 2 * u + ur)
+        dv = b * u - u * u * v + c * (vl - 2 * v + vr)
+        return xp.concatenate([du, dv])
+
+    return f
+
+
+_X16 = np.arange(1, 17) / 17
+
+PROBLEMS = {
+    "rober": dict(
+        f=rober,
+        y0=[1.0, 0.0, 0.0],
+        p=[0.04, 3e7, 1e4],
+        ts=[0.0, *np.logspace(-5, 5, 11)],
+        w=[1.0, 1e4, 0.0],
+        atol_factor=1e-4,  # y2 is of order 1e-5: atol below it
+        y0_floor=1e-2,
+    ),
+    # Only y(1e5), weighted as in `rober` (the solution does not depend on the output
+    # times; the tests of the checkpointed adjoint vary them).
+    "rober_last": dict(
+        f=rober,
+        y0=[1.0, 0.0, 0.0],
+        p=[0.04, 3e7, 1e4],
+        ts=[0.0, 1e5],
+        w=[1.0, 1e4, 0.0],
+        atol_factor=1e-4,
+        y0_floor=1e-2,
+    ),
+    "hires": dict(
+        f=hires,
+        y0=[1.0, 0, 0, 0, 0, 0, 0, 0.0057],
+        p=[1.71, 0.43, 8.32, 0.0007, 8.75, 10.03, 0.035, 1.12, 1.745, 280.0, 0.69, 1.81],
+        ts=list(np.linspace(0.0, 321.8122, 5)),
+        w=[1.0] * 8,
+        atol_factor=1.0,
+    ),
+    "vdpol": dict(
+        f=vdpol,
+        y0=[2.0, -0.66],
+        p=[1e-6],
+        ts=list(np.linspace(0.0, 2.0, 11)),
+        w=[1.0, 1.0],
+        atol_factor=1.0,
+    ),
+    "orego": dict(
+        f=orego,
+        y0=[1.0, 2.0, 3.0],
+        p=[77.27, 0.161, 8.375e-6],
+        ts=list(np.linspace(0.0, 360.0, 7)),
+        w=[1e-4, 1.0, 1e-4],
+        atol_factor=1.0,
+    ),
+    "bruss16": dict(
+        f=bruss(16),
+        y0=list(np.concatenate([1 + np.sin(2 * np.pi * _X16), 3 * np.ones(16)])),
+        p=[1.0, 3.0, 0.02],
+        ts=list(np.linspace(0.0, 10.0, 6)),
+        w=list(np.linspace(0.5, 1.5, 32)),
+        atol_factor=1.0,
+    ),
+}
+
+
+def scipy_loss(name, p, y0):
+    """The loss by SciPy's Radau at rtol 1e-12."""
+    import scipy.integrate
+
+    prob = PROBLEMS[name]
+    ts = np.asarray(prob["ts"])
+    sol = scipy.integrate.solve_ivp(
+        lambda t, y: prob["f"](y, t, p, np),
+        (ts[0], ts[-1]),
+        np.asarray(y0, float),
+        method="Radau",
+        rtol=1e-12,
+        atol=1e-14,
+        t_eval=ts,
+    )
+    if not sol.success:
+        raise RuntimeError(f"{name}: scipy failed: {sol.message}")
+    return float(np.sum(sol.y[:, 1:] * np.asarray(prob["w"])[:, None]))
+
+
+def reference(name):
+    """The loss and its central-difference derivatives with respect to `p` and `y0`.
+
+    Steps: `1e-5 |p_i|` for the parameters and `1e-6 max(|y0_i|, y0_floor)` for the
+    initial values. `y0_floor` is 1 (the state's scale) except for ROBER, whose second
+    species starts at zero and stays of order 1e-5: a step of 1e-6 would not be small
+    against it."""
+    prob = PROBLEMS[name]
+    p, y0 = np.asarray(prob["p"], float), np.asarray(prob["y0"], float)
+
+    def central(vec, i, h, which):
+        plus, minus = vec.copy(), vec.copy()
+        plus[i] += h
+        minus[i] -= h
+        args = (plus, y0) if which == "p" else (p, plus)
+        args_m = (minus, y0) if which == "p" else (p, minus)
+        return (scipy_loss(name, *args) - scipy_loss(name, *args_m)) / (2 * h)
+
+    grad_p = [central(p, i, 1e-5 * abs(p[i]), "p") for i in range(p.size)]
+    floor = prob.get("y0_floor", 1.0)
+    grad_y0 = [central(y0, i, 1e-6 * max(abs(y0[i]), floor), "y0") for i in range(y0.size)]
+    return dict(loss=scipy_loss(name, p, y0), grad_p=grad_p, grad_y0=grad_y0)
+
+
+def load_references():
+    return json.loads(REFERENCES.read_text())
+
+
+def main(names):
+    refs = load_references() if REFERENCES.exists() else {}
+    for name in names or list(PROBLEMS):
+        start = time.time()
+        refs[name] = reference(name)
+        print(f"{name}: {refs[name]['loss']:.15g} ({time.time() - start:.0f} s)", flush=True)
+    REFERENCES.write_text(json.dumps(refs, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,351 @@
+"""`odeint` on stiff problems: derivatives against SciPy references, the checkpointed
+adjoint's replays, backward instability refused, the implicit step's own consistency."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from solvers import _ode_methods as ode_methods
+from solvers import odeint
+
+from .stiff_problems import PROBLEMS, load_references
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+REFS = load_references()
+
+
+def _rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _loss(name, rtol, **kw):
+    """`loss(p, y0) = sum_i w . y(t_i)` over the outputs after `t[0]`, by Kvaerno5."""
+    prob = PROBLEMS[name]
+    ts, w = jnp.asarray(prob["ts"]), jnp.asarray(prob["w"])
+    atol = rtol * prob["atol_factor"]
+
+    def f(y, t, p):
+        return prob["f"](y, t, p, jnp)
+
+    def loss(p, y0):
+        ys = odeint(f, y0, ts, p, method="kvaerno5", rtol=rtol, atol=atol, mxstep=1e6, **kw)
+        return jnp.sum(ys[1:] * w)
+
+    def steps(p, y0):
+        info = odeint(
+            f, y0, ts, p, method="kvaerno5", rtol=rtol, atol=atol, mxstep=1e6,
+            return_info=True, **kw,
+        )[1]  # fmt: skip
+        return info.steps
+
+    return loss, steps
+
+
+def _point(name):
+    prob = PROBLEMS[name]
+    return jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
+
+
+# ---------------------------------------------------------------------------
+# Derivatives against central differences of SciPy's Radau at rtol 1e-12.
+#
+# Error control bounds each step's local error by the tolerance, so the global error of
+# `n` steps is at most about `n` times it (more where the problem amplifies errors).
+# The derivatives of the computed solution carry the same kind of error; they are
+# checked against `10 n rtol`, relative to the largest entry.
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["rober", "hires", "bruss16", pytest.param("orego", marks=pytest.mark.slow)],
+)
+def test_derivatives_match_scipy_references(x64, name):
+    rtol = 1e-8
+    loss, steps = _loss(name, rtol)
+    p, y0 = _point(name)
+    ref = REFS[name]
+    n = int(jax.jit(steps)(p, y0))
+    bound = 10 * n * rtol
+    value, (gp, gy) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(p, y0)
+    assert _rel(value, ref["loss"]) < bound
+    assert _rel(gp, ref["grad_p"]) < bound, (_rel(gp, ref["grad_p"]), bound)
+    assert _rel(gy, ref["grad_y0"]) < bound, (_rel(gy, ref["grad_y0"]), bound)
+    # Forward sensitivities differentiate the same computed solution as the
+    # checkpointed adjoint (kvaerno5's default): the two agree to rounding.
+    fp, fy = jax.jit(jax.jacfwd(loss, argnums=(0, 1)))(p, y0)
+    np.testing.assert_allclose(fp, gp, rtol=1e-9, atol=1e-12 * np.max(np.abs(gp)))
+    np.testing.assert_allclose(fy, gy, rtol=1e-9, atol=1e-12 * np.max(np.abs(gy)))
+
+
+@pytest.mark.slow
+def test_van_der_pol_derivative_converges_with_the_tolerance(x64):
+    """VDPOL's jumps move with eps: d/d eps of the solution is far more sensitive to
+    the discretisation than the solution itself, so its error shrinks with the
+    tolerance from a larger start (see docs/odes.md)."""
+    ref = REFS["vdpol"]["grad_p"][0]
+    p, y0 = _point("vdpol")
+    errors = []
+    for rtol in (1e-8, 1e-9, 1e-10):
+        loss, _ = _loss("vdpol", rtol)
+        g = jax.jit(jax.grad(loss))(p, y0)
+        f = jax.jit(jax.jacfwd(loss))(p, y0)
+        np.testing.assert_allclose(f, g, rtol=1e-8)
+        errors.append(_rel(g, [ref]))
+    assert errors[0] < 0.1 and errors[2] < 2e-3, errors
+    assert errors[2] < errors[1] < errors[0], errors
+
+
+@pytest.mark.slow
+def test_hessian_of_a_stiff_solve_matches_differences_of_the_gradient(x64):
+    """`jax.hessian` (forward over the checkpointed sweep) against central differences
+    of forward-mode gradients, which the test above checks against SciPy."""
+    loss, _ = _loss("rober", 1e-9)
+    p, y0 = _point("rober")
+    scale = jnp.asarray(PROBLEMS["rober"]["p"])
+    # In relative units of p, so the entries are of comparable size.
+    rel_loss = lambda u: loss(scale * u, y0)  # noqa: E731
+    u = jnp.ones(3)
+    hess = jax.jit(jax.hessian(rel_loss))(u)
+    grad = jax.jit(jax.jacfwd(rel_loss))
+    eps = 1e-4
+    fd = np.stack(
+        [(grad(u.at[i].add(eps)) - grad(u.at[i].add(-eps))) / (2 * eps) for i in range(3)]
+    )
+    np.testing.assert_allclose(hess, hess.T, rtol=1e-8, atol=1e-10 * np.max(np.abs(hess)))
+    np.testing.assert_allclose(hess, fd, rtol=1e-4, atol=1e-5 * np.max(np.abs(hess)))
+
+
+# ---------------------------------------------------------------------------
+# The checkpointed adjoint's replays.
+
+
+def _rober_grad(ts, max_steps, method="kvaerno5", adjoint="checkpoint"):
+    prob = PROBLEMS["rober"]
+    p, y0 = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+    w = jnp.array([1.0, 1e4, 0.0])
+    kw = dict(method=method, rtol=1e-6, atol=1e-10, mxstep=1e6, max_steps=max_steps)
+
+    def loss(p):
+        return odeint(f, y0, ts, p, adjoint=adjoint, **kw)[-1] @ w
+
+    return jax.jit(jax.grad(loss))(p)
+
+
+def test_replayed_steps_are_the_steps_taken(x64):
+    """With few steps between checkpoints the sweep replays nearly every step from a
+    checkpoint; the gradient is the same as when every state is kept. (A replay that
+    restarted from `f` at the checkpoint instead of the carried stage derivative took
+    another step, which on ROBER overflowed to NaN.)"""
+    ts = jnp.concatenate([jnp.zeros(1), jnp.logspace(-5, 5, 11)])
+    replayed = _rober_grad(ts, max_steps=100)
+    kept = _rober_grad(ts, max_steps=1 << 16)
+    assert np.all(np.isfinite(replayed))
+    np.testing.assert_allclose(replayed, kept, rtol=1e-12, atol=1e-22)
+
+
+@pytest.mark.parametrize("shift_ulps", [0, 1, 3])
+def test_output_times_a_few_ulps_apart_give_the_same_gradient(x64, shift_ulps):
+    """NumPy's and JAX's logspace differ by an ulp at t = 1e3 and 1e4; any such
+    perturbation of the output times must leave the gradient finite and unchanged
+    within the tolerance."""
+    ts = np.concatenate([[0.0], np.logspace(-5, 5, 11)])
+    ts = ts + shift_ulps * np.spacing(ts) * np.where(np.arange(12) % 2, 1, -1)
+    g = _rober_grad(jnp.asarray(ts), max_steps=100)
+    ref = REFS["rober_last"]["grad_p"]
+    assert np.all(np.isfinite(g))
+    assert _rel(g, ref) < 1e-3, (g, ref)
+
+
+def _oscillator(y, t, p):
+    return jnp.stack([y[1], -p[0] * y[0] - p[1] * y[1] + jnp.cos(t)])
+
+
+@pytest.mark.parametrize("adjoint", ["backsolve", "checkpoint"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "dopri5",
+        "kvaerno5",
+        *(pytest.param(m, marks=pytest.mark.slow) for m in ("tsit5", "bosh3", "dopri8", "rk4")),
+    ],
+)
+def test_ulp_perturbed_output_times_every_method(x64, method, adjoint):
+    ts = np.linspace(0.0, 3.0, 7)
+    shifted = ts + 2 * np.spacing(ts) * np.where(np.arange(7) % 2, 1, -1)
+    # (Few steps between checkpoints: the checkpointed sweep replays most steps.)
+    kw = dict(method=method, adjoint=adjoint, max_steps=1024)
+    tol = 1e-6 if method == "bosh3" else 1e-8
+    kw.update(dt=0.01) if method == "rk4" else kw.update(rtol=tol, atol=tol)
+
+    def grad(ts):
+        loss = lambda p: jnp.sum(odeint(_oscillator, jnp.array([1.0, 0.0]), ts, p, **kw))  # noqa: E731
+        return jax.grad(loss)(jnp.array([4.0, 0.3]))
+
+    a, b = grad(jnp.asarray(ts)), grad(jnp.asarray(shifted))
+    assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Which adjoint, and backward instability.
+
+
+def _relaxation(y, t, k):
+    """`y' = -k (y - cos t)`: for k = 1000 a stiff linear problem."""
+    return -k * (y - jnp.cos(t))
+
+
+def _relaxation_exact(k, t):
+    a, b = k**2 / (k**2 + 1), k / (k**2 + 1)
+    return a * np.cos(t) + b * np.sin(t) - a * np.exp(-k * t)
+
+
+RELAX_TS = np.linspace(0.0, 1.0, 5)
+
+
+def _relaxation_grad_exact(k):
+    h = 1e-3 * k  # the closed form is smooth in k: central differences are exact enough
+    return sum(
+        (_relaxation_exact(k + h, t) - _relaxation_exact(k - h, t)) / (2 * h) for t in RELAX_TS[1:]
+    )
+
+
+def _relaxation_loss(k, **kw):
+    return jnp.sum(odeint(_relaxation, 0.0, jnp.asarray(RELAX_TS), k, **kw)[1:])
+
+
+def test_stiff_method_defaults_to_the_checkpointed_adjoint(x64):
+    k = 1000.0
+    g = jax.grad(functools.partial(_relaxation_loss, method="kvaerno5"))(k)
+    explicit = jax.grad(
+        functools.partial(_relaxation_loss, method="kvaerno5", adjoint="checkpoint")
+    )(k)
+    assert float(g) == float(explicit)
+    np.testing.assert_allclose(g, _relaxation_grad_exact(k), rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["dopri5", "kvaerno5"])
+def test_backsolve_refuses_a_problem_unstable_backwards(x64, method):
+    """Integrated backwards, y' = -k (y - cos t) grows like exp(k t): the state strays
+    from the forward solution by 1e100 tolerances, and the gradient (0.5% off, for
+    dopri5) must not come back silently."""
+    k = 1000.0
+    loss = functools.partial(_relaxation_loss, method=method, adjoint="backsolve")
+    with pytest.raises(Exception, match="adjoint='checkpoint'"):
+        jax.block_until_ready(jax.grad(loss)(k))
+    # With throw=False the gradient is NaN instead.
+    unchecked = lambda k: jnp.sum(  # noqa: E731
+        odeint(_relaxation, 0.0, jnp.asarray(RELAX_TS), k, method=method, adjoint="backsolve",
+               throw=False, return_info=True)[0][1:]
+    )  # fmt: skip
+    assert np.isnan(jax.grad(unchecked)(k))
+    ok = jax.grad(functools.partial(_relaxation_loss, method=method, adjoint="checkpoint"))(k)
+    np.testing.assert_allclose(ok, _relaxation_grad_exact(k), rtol=1e-4)
+
+
+def test_backsolve_accepts_a_stable_backward_integration(x64):
+    """A damped pendulum integrates backwards within a few tolerances: no error, and the
+    same gradient as the checkpointed adjoint."""
+
+    def pendulum(y, t, p):
+        return jnp.stack([y[1], -p[0] * jnp.sin(y[0]) - p[1] * y[1]])
+
+    def loss(p, adjoint):
+        ts = jnp.linspace(0.0, 10.0, 6)
+        return jnp.sum(odeint(pendulum, jnp.array([2.0, 0.0]), ts, p, adjoint=adjoint))
+
+    p = jnp.array([9.81, 0.1])
+    np.testing.assert_allclose(
+        jax.grad(loss)(p, "backsolve"), jax.grad(loss)(p, "checkpoint"), rtol=1e-6
+    )
+
+
+# ---------------------------------------------------------------------------
+# The implicit step.
+
+
+def test_stiffly_accurate_step_ends_on_its_last_stage(x64):
+    """Kvaerno5's last stage is its solution: the step returns that stage's value, and
+    the carried derivative at the new point comes from the stage equation."""
+    m = ode_methods.METHODS["kvaerno5"]
+    assert m.stiffly_accurate and not m.fsal
+    prob = PROBLEMS["rober"]
+    p, y = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+    tol = ode_methods.StageTolerance(rtol=1e-6, atol=1e-10)
+    h = 1e-4
+    y1, _, k_next, ok, ks = m.step_with_stages(f, y, f(y, 0.0, p), 0.0, h, p, tol=tol)
+    assert bool(ok)
+    np.testing.assert_array_equal(k_next, ks[-1])
+    # The stage equation's derivative is f at the stage to the stage's accuracy (about
+    # 1e-12 here) times the stiffness (|J| about 1e3 on this step).
+    np.testing.assert_allclose(k_next, f(y1, h, p), rtol=1e-6, atol=1e-8)
+
+
+def _custom_method(monkeypatch, method):
+    monkeypatch.setitem(ode_methods.METHODS, method.name, method)
+
+
+def test_esdirk_with_a_different_diagonal_per_stage(x64, monkeypatch):
+    """A stiffly accurate ESDIRK pair of order 2(1) whose implicit stages have diagonals
+    0.1 and 0.5: each stage's Newton iteration needs its own `I - h gamma_i J`. (With
+    the first stage's matrix for both, the last stage's iteration diverges once
+    `h |lambda|` is large: the solve takes about 7 times as many steps, and rejects
+    one attempt in eight.)"""
+    method = ode_methods.Method(
+        name="esdirk-test",
+        order=2,
+        c=(0.0, 0.2, 1.0),
+        a=((), (0.1,), (0.5, 0.0)),
+        b=(0.5, 0.0, 0.5),
+        e=(0.5, -1.0, 0.5),
+        gamma=(0.0, 0.1, 0.5),
+    )
+    assert method.stiffly_accurate
+    _custom_method(monkeypatch, method)
+    k = 1000.0
+    ys, info = odeint(
+        _relaxation, 0.0, jnp.asarray(RELAX_TS), k, method="esdirk-test", rtol=1e-4,
+        atol=1e-4, return_info=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(ys, _relaxation_exact(k, RELAX_TS), atol=1e-5)
+    assert int(info.status) == 0 and int(info.steps) < 300 and int(info.rejected) <= 5
+    loss = functools.partial(
+        _relaxation_loss, method="esdirk-test", rtol=1e-6, atol=1e-6, max_steps=1 << 14
+    )
+    np.testing.assert_allclose(jax.grad(loss)(k), _relaxation_grad_exact(k), rtol=1e-3)
+
+
+def test_explicit_pair_that_is_not_fsal(x64, monkeypatch):
+    """Heun-Euler 2(1): its last stage is not at the step's end, so `f` there is an
+    extra evaluation (not the last stage reused)."""
+    method = ode_methods.Method(
+        name="heun-euler", order=2, c=(0.0, 1.0), a=((), (1.0,)), b=(0.5, 0.5), e=(-0.5, 0.5)
+    )
+    assert not method.fsal and method.evals_per_step == 2
+    _custom_method(monkeypatch, method)
+    ts = jnp.linspace(0.0, 1.0, 3)
+    ys = odeint(lambda y, t: -2.0 * y, 1.0, ts, method="heun-euler", rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(ys, np.exp(-2.0 * np.asarray(ts)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["dopri5", "tsit5", "bosh3", "dopri8", "rk4", "euler"])
+def test_num_fevals_counts_the_calls(x64, method):
+    calls = []
+
+    def f(y, t):
+        jax.debug.callback(lambda: calls.append(1))
+        return -y
+
+    kw = dict(dt=0.1) if method in ("rk4", "euler") else dict(rtol=1e-6, atol=1e-6)
+    _, info = jax.jit(
+        lambda y0: odeint(f, y0, jnp.array([0.0, 0.5, 1.0]), method=method, return_info=True, **kw)
+    )(1.0)
+    jax.effects_barrier()
+    assert int(info.num_fevals) == len(calls), (int(info.num_fevals), len(calls))
