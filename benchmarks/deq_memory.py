@@ -327,16 +327,16 @@ FLOOR_KEPT = "floor: fixed steps, residuals kept"
 def fixed_steps(n_steps: int, t1: float, *, remat: bool) -> Callable[[Any, Any], Any]:
     """A reference for the NeuralODE rows: `n_steps` equal Tsit5 steps over `[0, t1]`
     (the batch's largest accepted-step count in our adaptive solve), with the same
-    stage code as ours (`solvers._ode_methods`) in a `lax.scan` that JAX
+    stage code as ours (`solvers.ode.methods.Tsit5`) in a `lax.scan` that JAX
     differentiates itself, returning the step ends. No step-size control, no
     interpolated outputs, no recording: what is left is the field's own work.
 
     `remat=True` recomputes each step's stages in the backward pass
     (`jax.checkpoint`), as a checkpointed adjoint does; `remat=False` lets the scan
     keep every step's residuals (the field's activations) from the forward pass."""
-    from solvers._ode_methods import get_method
+    from solvers.ode.methods import Tsit5
 
-    method = get_method("tsit5")
+    method = Tsit5()
     h = t1 / n_steps
 
     def solve(f, y0):

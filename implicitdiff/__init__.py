@@ -17,15 +17,19 @@ The public names:
   come from the implicit function theorem.
 - `implicit_diff`: a decorator giving any solver implicit derivatives from its
   optimality condition.
-- `linear_solve`: linear solvers for the tangent and adjoint systems (`dense`,
-  `cg`, `normal_cg`, `gmres`, `bicgstab`, `neumann`, `auto`).
+- `linear_solve`: linear solvers for the tangent and adjoint systems, as objects
+  that factor or prepare once and solve forwards and transposed (`Dense`, `CG`,
+  `NormalCG`, `GMRES`, `BiCGStab`, `Neumann`, `Auto`), and their one-shot functions
+  (`dense`, `cg`, `normal_cg`, `gmres`, `bicgstab`, `neumann`, `auto`).
 - `error_if`, `ImplicitDiffRuntimeError`: raise from compiled code when a run-time
   condition holds (non-convergence), with run-time values in the message.
 - `check_grads` (and the `gradcheck` module behind `implicitdiff-gradcheck`):
   derivative checks against finite differences and an independent reference.
+- `internal`: helpers for libraries built on implicitdiff (closure conversion,
+  batch-wide reductions, pytree checks); public but unstable.
 """
 
-from . import gradcheck, linear_solve
+from . import gradcheck, internal, linear_solve
 from ._derive import (
     apply_derived_linearization,
     jvp_from_lin,
@@ -70,6 +74,7 @@ __all__ = [
     "custom_linear_solve",
     "implicit_diff",
     "linear_solve",
+    "internal",
     "check_grads",
     "gradcheck",
     "error_if",

@@ -25,7 +25,11 @@ import jax
 
 from . import _jax_compat as compat
 from ._jax_compat import Zero, instantiate_zeros
-from ._primitive import Primitive, Static, _reuse_primal
+from ._rule_data import Static, reuse_primal
+
+#: The `Primitive` instance the rules receive as `self`. They use only its rule methods and
+#: pytree plumbing, so this module (which `_primitive` imports) does not import it back.
+PrimitiveLike = Any
 
 __all__ = [
     "linearize_from_jvp",
@@ -38,7 +42,7 @@ __all__ = [
 ]
 
 
-def _nz_flat(self: Primitive, nzs_in: Any) -> list[bool]:
+def _nz_flat(self: PrimitiveLike, nzs_in: Any) -> list[bool]:
     flat = self.in_tree.flatten_up_to(nzs_in)
     return [
         bool(n) and compat.tangent_aval(a).dtype != jax.dtypes.float0
@@ -46,7 +50,7 @@ def _nz_flat(self: Primitive, nzs_in: Any) -> list[bool]:
     ]
 
 
-def _linear_structs(self: Primitive, nz: list[bool]) -> list[jax.ShapeDtypeStruct]:
+def _linear_structs(self: PrimitiveLike, nz: list[bool]) -> list[jax.ShapeDtypeStruct]:
     return [
         jax.ShapeDtypeStruct(a.shape, compat.tangent_aval(a).dtype)
         for a, n in zip(self.in_avals_flat, nz)
@@ -54,7 +58,7 @@ def _linear_structs(self: Primitive, nz: list[bool]) -> list[jax.ShapeDtypeStruc
     ]
 
 
-def _transpose(self: Primitive, nz: list[bool], lin_fn, g: Any) -> tuple[Any, ...]:
+def _transpose(self: PrimitiveLike, nz: list[bool], lin_fn, g: Any) -> tuple[Any, ...]:
     """Transpose `lin_fn(*nonzero input tangents) -> flat output tangents` at `g`."""
     g_flat = self._flatten_out_tangents(g, "output cotangent")  # Zero / None -> zeros
     cts = jax.linear_transpose(lin_fn, *_linear_structs(self, nz))(g_flat)
@@ -62,7 +66,7 @@ def _transpose(self: Primitive, nz: list[bool], lin_fn, g: Any) -> tuple[Any, ..
     return tuple(self._unflatten_in([next(it) if n else None for n in nz]))
 
 
-def linearize_from_jvp(self: Primitive, nzs_in: Any, *primals: Any) -> tuple[Any, Any]:
+def linearize_from_jvp(self: PrimitiveLike, nzs_in: Any, *primals: Any) -> tuple[Any, Any]:
     """`lin` derived from `jvp`: partially evaluate the jvp rule at the primals.
 
     The residuals are the jvp rule's values that depend on the primals only; the
@@ -79,7 +83,7 @@ def linearize_from_jvp(self: Primitive, nzs_in: Any, *primals: Any) -> tuple[Any
     return out, (f_lin, Static(tuple(nz)))
 
 
-def apply_derived_linearization(self: Primitive, residuals: Any, *tangents: Any) -> Any:
+def apply_derived_linearization(self: PrimitiveLike, residuals: Any, *tangents: Any) -> Any:
     """`linearized` for `lin = linearize_from_jvp`: apply the partially evaluated jvp."""
     f_lin, nz = residuals[0], residuals[1].val
     t_flat = self.in_tree.flatten_up_to(tangents)
@@ -88,7 +92,7 @@ def apply_derived_linearization(self: Primitive, residuals: Any, *tangents: Any)
     return jax.tree_util.tree_unflatten(self.out_tree, t_out)
 
 
-def vjp_fwd_from_jvp(self: Primitive, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
+def vjp_fwd_from_jvp(self: PrimitiveLike, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
     """`vjp_fwd` derived from `jvp`: save the primal inputs (and output)."""
     if not self._caps()[0]:
         raise NotImplementedError(
@@ -98,27 +102,27 @@ def vjp_fwd_from_jvp(self: Primitive, nzs_in: Any, *args: Any) -> tuple[Any, Any
     return out, (args, out, Static(tuple(_nz_flat(self, nzs_in))))
 
 
-def transpose_jvp(self: Primitive, res: Any, g: Any) -> tuple[Any, ...]:
+def transpose_jvp(self: PrimitiveLike, res: Any, g: Any) -> tuple[Any, ...]:
     """`vjp_bwd_retval` for `vjp_fwd = vjp_fwd_from_jvp`: transpose the jvp rule."""
     args, out, nz = res[0], res[1], list(res[2].val)
     args_flat = jax.tree_util.tree_leaves(args)
     out_flat = jax.tree_util.tree_leaves(out)
 
     def lin_fn(*nz_t):
-        with _reuse_primal(self, args_flat, out_flat):
+        with reuse_primal(self, args_flat, out_flat):
             _, t = self.jvp(args, self._fill_tangents(nz, nz_t))
         return self._flatten_out_tangents(t, "jvp")
 
     return _transpose(self, nz, lin_fn, g)
 
 
-def vjp_fwd_from_lin(self: Primitive, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
+def vjp_fwd_from_lin(self: PrimitiveLike, nzs_in: Any, *args: Any) -> tuple[Any, Any]:
     """`vjp_fwd` derived from `lin`: save the linearization's residuals."""
     out, lin_res = self.lin(nzs_in, *args)
     return out, (lin_res, Static(tuple(_nz_flat(self, nzs_in))))
 
 
-def transpose_linearized(self: Primitive, res: Any, g: Any) -> tuple[Any, ...]:
+def transpose_linearized(self: PrimitiveLike, res: Any, g: Any) -> tuple[Any, ...]:
     """`vjp_bwd_retval` for `vjp_fwd = vjp_fwd_from_lin`: transpose `linearized`."""
     lin_res, nz = res[0], list(res[1].val)
 
@@ -129,7 +133,7 @@ def transpose_linearized(self: Primitive, res: Any, g: Any) -> tuple[Any, ...]:
     return _transpose(self, nz, lin_fn, g)
 
 
-def jvp_from_lin(self: Primitive, primals: tuple[Any, ...], tangents: tuple[Any, ...]):
+def jvp_from_lin(self: PrimitiveLike, primals: tuple[Any, ...], tangents: tuple[Any, ...]):
     """`jvp` derived from `lin` and `linearized`."""
     t_flat = self.in_tree.flatten_up_to(tangents)
     nzs = self._unflatten_in([not (t is None or isinstance(t, Zero)) for t in t_flat])

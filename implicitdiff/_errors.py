@@ -287,7 +287,7 @@ def error_if(x: Any, pred: Any, msg: str, *, values: Mapping[str, Any] | None = 
     Example:
         ```python
         import jax, jax.numpy as jnp
-        from implicitdiff._errors import error_if
+        from implicitdiff import error_if
 
         @jax.jit
         def safe_sqrt(x):

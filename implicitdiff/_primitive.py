@@ -22,281 +22,25 @@ into the instance; see that module for why this costs nothing at dispatch.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from . import _derive
 from . import _jax_compat as compat
 from ._jax_compat import Zero, instantiate_zeros
+from ._rule_data import Accum, NullAccum, Static, describe_values, lookup_reuse
+from ._rules import PrimitiveRules
 
 __all__ = ["Primitive", "Zero", "instantiate_zeros", "NullAccum", "Static"]
-
-
-# ---------------------------------------------------------------------------
-# Small helpers.
-
-
-@jax.tree_util.register_pytree_node_class
-class Static:
-    """A pytree leaf-less wrapper for static (hashable, non-array) data inside residuals."""
-
-    __slots__ = ("val",)
-
-    def __init__(self, val: Any):
-        self.val = val
-
-    def tree_flatten(self):
-        return (), self.val
-
-    @classmethod
-    def tree_unflatten(cls, aux, _):
-        return cls(aux)
-
-    def __repr__(self):
-        return f"Static({self.val!r})"
-
-
-class _Accum:
-    """Cotangent accumulator handed to `vjp_bwd`: call `.accum(value)` any number of times."""
-
-    __slots__ = ("aval", "value")
-
-    def __init__(self, aval: Any):
-        self.aval = aval
-        self.value: Any = None
-
-    def accum(self, x: Any) -> None:
-        if x is None or isinstance(x, Zero):
-            return
-        if isinstance(x, _Accum):
-            raise TypeError("accum() takes a cotangent value, not an accumulator")
-        shape = tuple(np.shape(x))
-        if shape != tuple(self.aval.shape):
-            raise ValueError(
-                f"cotangent of shape {shape} accumulated into an input of type "
-                f"{self.aval.str_short()}; the backward rule must return one cotangent "
-                "per input with that input's shape"
-            )
-        if jnp.result_type(x) != self.aval.dtype:
-            x = jnp.asarray(x, self.aval.dtype)
-        self.value = x if self.value is None else self.value + x
-
-    def __repr__(self):
-        return f"Accum({self.aval.str_short()})"
-
-
-class NullAccum(_Accum):
-    """Accumulator for an input that is not being differentiated: `accum` does nothing."""
-
-    def accum(self, x: Any) -> None:
-        return None
-
-    def __repr__(self):
-        return f"NullAccum({self.aval.str_short()})"
-
-
-# Residual leaves of these types travel as data; anything else (Python scalars such
-# as an axis number, strings, callables) is kept as a static constant.
-_ARRAY_TYPES = (jax.Array, compat.Tracer, np.ndarray, np.generic)
-
-
-def _split_residuals(res: Any) -> tuple[list[Any], Any, tuple[Any, ...]]:
-    """Residual pytree -> (dynamic leaves, treedef, static leaves with dynamic slots as None)."""
-    leaves, tree = jax.tree_util.tree_flatten(res)
-    dyn = [x for x in leaves if isinstance(x, _ARRAY_TYPES)]
-    static = tuple(None if isinstance(x, _ARRAY_TYPES) else x for x in leaves)
-    return dyn, tree, static
-
-
-def _join_residuals(dyn: list[Any], tree: Any, static: tuple[Any, ...]) -> Any:
-    it = iter(dyn)
-    leaves = [next(it) if s is None else s for s in static]
-    return jax.tree_util.tree_unflatten(tree, leaves)
-
-
-def _is_float0(aval: Any) -> bool:
-    return getattr(aval, "dtype", None) == jax.dtypes.float0
-
-
-def _overrides(cls: type, name: str) -> bool:
-    return getattr(cls, name) is not getattr(Primitive, name)
-
-
-_reuse = threading.local()
-
-
-class _reuse_primal:
-    """Within this context, `prim(*args)` with these exact args returns `out` unevaluated.
-
-    Forward-mode rules recompute the primal output by calling `self(...)`; when the
-    output is already known (it was computed by `vjp_fwd`) this avoids doing the
-    work twice.
-    """
-
-    def __init__(self, prim, args_flat, out_flat):
-        self.entry = (prim, list(args_flat), list(out_flat))
-
-    def __enter__(self):
-        stack = getattr(_reuse, "stack", None)
-        if stack is None:
-            stack = _reuse.stack = []
-        stack.append(self.entry)
-
-    def __exit__(self, *exc):
-        _reuse.stack.pop()
-
-
-def _lookup_reuse(prim, args_flat):
-    stack = getattr(_reuse, "stack", None)
-    if not stack:
-        return None
-    p, a, out = stack[-1]
-    if p is prim and len(a) == len(args_flat) and all(x is y for x, y in zip(a, args_flat)):
-        return out
-    return None
-
-
-# ---------------------------------------------------------------------------
-# The linear map of one primitive application: forward = the jvp rule's tangent,
-# transpose = the vjp rule.
-
-
-class _PrimLin:
-    """Rule object for `compat.lin_call_p` built from a `Primitive` application."""
-
-    def __init__(self, prim, nz_in, out_nz, res_tree, res_static, n_fwd_res):
-        self.prim = prim
-        self.nz_in = tuple(nz_in)
-        self.out_nz = tuple(out_nz)
-        self.res_tree = res_tree
-        self.res_static = res_static
-        # The first n_fwd_res residuals are the primal inputs and outputs, kept
-        # only when the forward (jvp) direction may be evaluated.
-        self.n_fwd_res = n_fwd_res
-        self.in_tangent_avals = [
-            compat.tangent_aval(a) for a, nz in zip(prim.in_avals_flat, nz_in) if nz
-        ]
-        self.out_avals = [
-            compat.tangent_aval(a) for a, nz in zip(prim.out_avals_flat, out_nz) if nz
-        ]
-
-    def _rule_forward(self, res, nz_tangents):
-        prim = self.prim
-        if not prim._caps()[0]:
-            raise NotImplementedError(
-                f"for jvp support, subclass {type(prim).__name__} must implement `jvp` "
-                "(or `lin` and `linearized` with `jvp = jvp_from_lin`)"
-            )
-        if not self.n_fwd_res:
-            raise NotImplementedError(
-                f"{type(prim).__name__}: forward evaluation of a reverse-mode "
-                "linearization is not supported; use jax.jvp or jax.linearize instead"
-            )
-        n_in = len(prim.in_avals_flat)
-        primals_flat = res[:n_in]
-        out_flat = res[n_in : self.n_fwd_res]
-        tangents = prim._fill_tangents(self.nz_in, nz_tangents)
-        with _reuse_primal(prim, primals_flat, out_flat):
-            _, t_out = prim.jvp(prim._unflatten_in(primals_flat), tangents)
-        t_flat = prim._flatten_out_tangents(t_out, "jvp")
-        return [t for t, nz in zip(t_flat, self.out_nz) if nz]
-
-    def _rule_transpose(self, res, cts):
-        prim = self.prim
-        if not prim._caps()[1]:
-            if prim.no_vjp_message:
-                raise NotImplementedError(prim.no_vjp_message)
-            raise NotImplementedError(
-                f"for grad support, subclass {type(prim).__name__} must implement "
-                "`vjp_fwd` and `vjp_bwd_retval` (or `vjp_bwd`), or derive them from `jvp` "
-                "with `vjp_fwd = vjp_fwd_from_jvp` and `vjp_bwd_retval = transpose_jvp`"
-            )
-        user_res = _join_residuals(list(res[self.n_fwd_res :]), self.res_tree, self.res_static)
-        it = iter(cts)
-        g_flat = [
-            next(it) if nz else Zero(compat.tangent_aval(a))
-            for a, nz in zip(prim.out_avals_flat, self.out_nz)
-        ]
-        g = jax.tree_util.tree_unflatten(prim.out_tree, g_flat)
-        accums = [
-            (_Accum if nz else NullAccum)(compat.tangent_aval(a))
-            for a, nz in zip(prim.in_avals_flat, self.nz_in)
-        ]
-        none = prim.vjp_bwd(user_res, g, *prim._unflatten_in(accums))
-        if none is not None:
-            raise TypeError(
-                f"{type(prim).__name__}.vjp_bwd must accumulate into its accumulator "
-                "arguments and return None; to return cotangents, define vjp_bwd_retval"
-            )
-        return [acc.value for acc, nz in zip(accums, self.nz_in) if nz]
-
-    def _rule_batch(self, axis_data, args, dims, num_res):
-        if all(d is None for d in dims):
-            return compat.bind_lin(self, args[:num_res], args[num_res:]), [None] * len(
-                self.out_avals
-            )
-        rule = _BatchedLin(self, axis_data, dims[:num_res], dims[num_res:])
-        return compat.bind_lin(rule, args[:num_res], args[num_res:]), [0] * len(rule.out_avals)
-
-
-class _BatchedLin:
-    """A `_PrimLin` (or another `_BatchedLin`) mapped over one vmap axis."""
-
-    def __init__(self, base, axis_data, res_dims, tan_dims):
-        self.base = base
-        self.axis_data = axis_data
-        self.res_dims = list(res_dims)
-        self.tan_dims = list(tan_dims)
-        self.in_tangent_avals = [
-            compat.unmapped_aval(axis_data, d, a) for a, d in zip(base.in_tangent_avals, tan_dims)
-        ]
-        self.out_avals = [compat.unmapped_aval(axis_data, 0, a) for a in base.out_avals]
-
-    def _rule_forward(self, res, tangents):
-        f = lambda r, t: self.base._rule_forward(r, t)
-        return jax.vmap(
-            f,
-            in_axes=(self.res_dims, self.tan_dims),
-            out_axes=0,
-            **compat.vmap_kwargs(self.axis_data),
-        )(list(res), list(tangents))
-
-    def _rule_transpose(self, res, cts):
-        cts = [instantiate_zeros(c) for c in cts]
-
-        def f(r, c):
-            out = self.base._rule_transpose(r, c)
-            return [
-                compat.zeros_like_aval(a) if o is None else o
-                for o, a in zip(out, self.base.in_tangent_avals)
-            ]
-
-        return jax.vmap(
-            f,
-            in_axes=(self.res_dims, [0] * len(cts)),
-            out_axes=self.tan_dims,
-            sum_match=True,
-            **compat.vmap_kwargs(self.axis_data),
-        )(list(res), cts)
-
-    def _rule_batch(self, axis_data, args, dims, num_res):
-        if all(d is None for d in dims):
-            return compat.bind_lin(self, args[:num_res], args[num_res:]), [None] * len(
-                self.out_avals
-            )
-        rule = _BatchedLin(self, axis_data, dims[:num_res], dims[num_res:])
-        return compat.bind_lin(rule, args[:num_res], args[num_res:]), [0] * len(rule.out_avals)
 
 
 # ---------------------------------------------------------------------------
 # The public base class.
 
 
-class Primitive:
+class Primitive(PrimitiveRules):
     """Base class for a JAX operation with its own implementation and derivative rules.
 
     Subclasses set three attributes, either in their own `__init__` before calling
@@ -348,25 +92,30 @@ class Primitive:
     #: reverse mode (`grad`, `vjp`) raises, e.g. to point to an alternative.
     no_vjp_message: ClassVar[str | None] = None
     _caps_cache: ClassVar[tuple[bool, bool, bool]] = (False, False, False)
+    #: Builds the primitive that maps an instance without a batching rule over one `vmap`
+    #: axis: `VmapOf`, a subclass defined (and registered here) by `implicitdiff._vmap`.
+    _default_batching: ClassVar[Callable[..., Primitive] | None] = None
+
+    @classmethod
+    def _defines(cls, name: str) -> bool:
+        """Whether this class overrides the rule `name` of `Primitive`."""
+        return getattr(cls, name) is not getattr(Primitive, name)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        from . import _derive
-
         if cls.jvp is _derive.jvp_from_lin and cls.lin is _derive.linearize_from_jvp:
             raise TypeError(
                 f"{cls.__name__} derives `jvp` from `lin` (jvp_from_lin) and `lin` from "
                 "`jvp` (linearize_from_jvp): that is a circle. Write one of them by hand."
             )
-        if _overrides(cls, "vjp_bwd") and _overrides(cls, "vjp_bwd_retval"):
+        if cls._defines("vjp_bwd") and cls._defines("vjp_bwd_retval"):
             raise TypeError(
                 f"{cls.__name__} defines both `vjp_bwd` and `vjp_bwd_retval`; define one"
             )
         cls._caps_cache = (
-            _overrides(cls, "jvp"),
-            _overrides(cls, "vjp_fwd")
-            and (_overrides(cls, "vjp_bwd") or _overrides(cls, "vjp_bwd_retval")),
-            _overrides(cls, "lin") and _overrides(cls, "linearized"),
+            cls._defines("jvp"),
+            cls._defines("vjp_fwd") and (cls._defines("vjp_bwd") or cls._defines("vjp_bwd_retval")),
+            cls._defines("lin") and cls._defines("linearized"),
         )
 
     def __init__(self, *in_avals: Any, **params: Any):
@@ -389,7 +138,7 @@ class Primitive:
             if any(isinstance(x, jax.Array | compat.Tracer) for x in jax.tree_util.tree_leaves(v)):
                 raise TypeError(
                     f"{name}: static parameter {k!r} holds an array or traced value "
-                    f"({_describe(v)}). Parameters are baked into the primitive when it is "
+                    f"({describe_values(v)}). Parameters are baked into the primitive when it is "
                     "built, so they cannot be data: pass it as an input (an entry of "
                     "in_avals / a positional argument) instead."
                 )
@@ -470,7 +219,7 @@ class Primitive:
                     f"primitive was built for {a.str_short()}; build a new instance (e.g. with "
                     f"{type(self).__name__}.apply) for these argument types"
                 )
-        reused = _lookup_reuse(self, leaves)
+        reused = lookup_reuse(self, leaves)
         if reused is not None:
             out = reused
         else:
@@ -504,7 +253,7 @@ class Primitive:
             )
         for acc_tree, ct_tree in zip(accums, cts):
             accs, tree = jax.tree_util.tree_flatten(
-                acc_tree, is_leaf=lambda x: isinstance(x, _Accum)
+                acc_tree, is_leaf=lambda x: isinstance(x, Accum)
             )
             if ct_tree is None or isinstance(ct_tree, Zero):
                 continue
@@ -596,221 +345,3 @@ class Primitive:
 
     def __repr__(self):
         return f"{type(self).__name__}[{self.params}]"
-
-    # ---- internals: pytree plumbing -----------------------------------------------
-
-    def _caps(self) -> tuple[bool, bool, bool]:
-        """(has jvp, has vjp, has lin) for this instance."""
-        return type(self)._caps_cache
-
-    def _unflatten_in(self, flat):
-        return jax.tree_util.tree_unflatten(self.in_tree, list(flat))
-
-    def _flatten_out(self, out, where):
-        leaves, tree = jax.tree_util.tree_flatten(out)
-        if tree != self.out_tree:
-            raise TypeError(
-                f"{type(self).__name__}.{where} returned a value of structure {tree}, "
-                f"but out_aval has structure {self.out_tree}"
-            )
-        result = []
-        for i, (x, a) in enumerate(zip(leaves, self.out_avals_flat)):
-            if tuple(np.shape(x)) != tuple(a.shape):
-                raise TypeError(
-                    f"{type(self).__name__}.{where}: output leaf {i} has shape {np.shape(x)} "
-                    f"but out_aval says {a.str_short()}"
-                )
-            if jnp.result_type(x) != a.dtype:
-                x = jnp.asarray(x, a.dtype)
-            result.append(x)
-        return result
-
-    def _flatten_out_tangents(self, t, where):
-        """Output tangents (may hold None / Zero) -> flat list with zeros instantiated."""
-        flat = self.out_tree.flatten_up_to(t)
-        out = []
-        for x, a in zip(flat, self.out_avals_flat):
-            ta = compat.tangent_aval(a)
-            if x is None or isinstance(x, Zero):
-                out.append(compat.zeros_like_aval(ta))
-            else:
-                if tuple(np.shape(x)) != tuple(a.shape):
-                    raise TypeError(
-                        f"{type(self).__name__}.{where}: output tangent of shape "
-                        f"{np.shape(x)} for an output of type {a.str_short()}"
-                    )
-                if not _is_float0(ta) and jnp.result_type(x) != ta.dtype:
-                    x = jnp.asarray(x, ta.dtype)
-                out.append(x)
-        return out
-
-    def _fill_tangents(self, nz_in, nz_tangents):
-        """Full input tangents for a user rule: `Zero`s, or zero arrays unless
-        the class sets `symbolic_zeros = True`."""
-        it = iter(nz_tangents)
-        make = Zero if self.symbolic_zeros else compat.zeros_like_aval
-        flat = [
-            next(it) if nz else make(compat.tangent_aval(a))
-            for a, nz in zip(self.in_avals_flat, nz_in)
-        ]
-        return self._unflatten_in(flat)
-
-    def _out_nz_default(self):
-        return [not _is_float0(compat.tangent_aval(a)) for a in self.out_avals_flat]
-
-    def _call_vjp_fwd(self, nz_in, primals_flat):
-        nzs = self._unflatten_in(list(nz_in))
-        ret = self.vjp_fwd(nzs, *self._unflatten_in(primals_flat))
-        if not isinstance(ret, tuple) or len(ret) not in (2, 3):
-            raise TypeError(
-                f"{type(self).__name__}.vjp_fwd must return (output, residuals), "
-                f"got {type(ret).__name__}"
-            )
-        out, res, *maybe_nzs = ret
-        out_flat = self._flatten_out(out, "vjp_fwd")
-        out_nz = self._out_nz_default()
-        if maybe_nzs:
-            given = jax.tree_util.tree_flatten(
-                jax.tree_util.tree_map(lambda _, n: n, self.out_aval, maybe_nzs[0])
-            )[0]
-            out_nz = [a and bool(b) for a, b in zip(out_nz, given)]
-        return out_flat, res, out_nz
-
-    def _make_lin(self, nz_in, out_nz, res, primals_flat=None, out_flat=None):
-        dyn, tree, static = _split_residuals(res)
-        fwd = [] if primals_flat is None else [*primals_flat, *out_flat]
-        rule = _PrimLin(self, nz_in, out_nz, tree, static, len(fwd))
-        return rule, fwd + dyn
-
-    def _tangents_from_lin(self, rule, res_flat, out_nz, tangents):
-        nz_t = [t for t, nz in zip(tangents, rule.nz_in) if nz]
-        outs = compat.bind_lin(rule, res_flat, nz_t) if rule.out_avals else []
-        it = iter(outs)
-        return [
-            next(it) if nz else Zero(compat.tangent_aval(a))
-            for a, nz in zip(self.out_avals_flat, out_nz)
-        ]
-
-    # ---- internals: rules called by _jax_compat -------------------------------------
-
-    def _rule_impl(self, *args):
-        return self._flatten_out(self.expand(*self._unflatten_in(args)), "expand")
-
-    def _rule_abstract_eval(self):
-        return list(self.out_avals_flat)
-
-    def _rule_jvp(self, primals, tangents):
-        has_jvp, has_vjp, _ = self._caps()
-        if not has_jvp and not has_vjp:
-            raise NotImplementedError(
-                f"for jvp support, subclass {type(self).__name__} must implement `jvp`"
-            )
-        nz_in = [not isinstance(t, Zero) for t in tangents]
-        if has_vjp:
-            out_flat, res, out_nz = self._call_vjp_fwd(nz_in, primals)
-        else:
-            out_flat = jax.tree_util.tree_leaves(self(*self._unflatten_in(primals)))
-            res, out_nz = None, self._out_nz_default()
-        fwd = (primals, out_flat) if has_jvp else (None, None)
-        rule, res_flat = self._make_lin(nz_in, out_nz, res, *fwd)
-        return out_flat, self._tangents_from_lin(rule, res_flat, out_nz, tangents)
-
-    def _rule_linearize(self, is_vjp, nz_in, *primals):
-        has_jvp, has_vjp, has_lin = self._caps()
-        name = type(self).__name__
-        if is_vjp:
-            if not has_vjp:
-                if self.no_vjp_message:
-                    raise NotImplementedError(self.no_vjp_message)
-                raise NotImplementedError(
-                    f"for grad support, subclass {name} must implement `vjp_fwd` and "
-                    "`vjp_bwd_retval` (or `vjp_bwd`); a primitive with a `jvp` rule can "
-                    "derive them with `vjp_fwd = vjp_fwd_from_jvp` and "
-                    "`vjp_bwd_retval = transpose_jvp`"
-                )
-            out_flat, res, out_nz = self._call_vjp_fwd(nz_in, list(primals))
-            rule, res_flat = self._make_lin(nz_in, out_nz, res)
-
-            def linearized(residuals, *tangents):
-                return self._tangents_from_lin(rule, residuals, out_nz, tangents)
-
-            return out_flat, out_nz, res_flat, linearized
-        if has_lin:
-            nzs = self._unflatten_in(list(nz_in))
-            ret = self.lin(nzs, *self._unflatten_in(primals))
-            out, res = ret[0], ret[1]
-            out_flat = self._flatten_out(out, "lin")
-            out_nz = self._out_nz_default()
-
-            def linearized(residuals, *tangents):
-                t = self.linearized(residuals, *self._unflatten_in(tangents))
-                flat = self.out_tree.flatten_up_to(t)
-                return [
-                    Zero(compat.tangent_aval(a))
-                    if (not nz or x is None or isinstance(x, Zero))
-                    else x
-                    for x, a, nz in zip(flat, self.out_avals_flat, out_nz)
-                ]
-
-            out_nz = list(out_nz)
-            return out_flat, out_nz, res, linearized
-        if has_jvp:
-            return compat.fallback_linearize(self, nz_in, primals)
-        raise NotImplementedError(
-            f"for linearize support, subclass {name} must implement `lin` and `linearized` "
-            "(or `jvp`)"
-        )
-
-    def _rule_transpose(self, cts, args):
-        if not _overrides(type(self), "transpose"):
-            raise NotImplementedError(
-                f"for transpose support, subclass {type(self).__name__} must implement `transpose`"
-            )
-        none = self.transpose(
-            jax.tree_util.tree_unflatten(self.out_tree, cts), *self._unflatten_in(args)
-        )
-        if none is not None:
-            raise TypeError(
-                f"{type(self).__name__}.transpose must accumulate into the accumulators it is "
-                "given for its linear inputs and return None"
-            )
-
-    def _rule_batch(self, axis_data, args, dims):
-        cls = type(self)
-        if all(d is None for d in dims):
-            return compat.bind_prim(self, args), [None] * len(self.out_avals_flat)
-        if _overrides(cls, "batch"):
-            out, out_dims = self.batch(
-                axis_data, tuple(self._unflatten_in(args)), self._unflatten_in(dims)
-            )
-            out_flat = self._flatten_out_batched(out)
-            dims_flat = _broadcast_prefix(out_dims, self.out_tree)
-            return out_flat, dims_flat
-        dims_tree = self._unflatten_in(dims)
-        out_dim = (
-            self.batch_dim_rule(axis_data, dims_tree) if _overrides(cls, "batch_dim_rule") else 0
-        )
-        from ._vmap import VmapOf
-
-        prim = VmapOf(self, axis_data, list(dims), out_dim)
-        out = prim(*self._unflatten_in(args))
-        return jax.tree_util.tree_leaves(out), list(prim.out_dims)
-
-    def _flatten_out_batched(self, out):
-        leaves, tree = jax.tree_util.tree_flatten(out)
-        if tree != self.out_tree:
-            raise TypeError(
-                f"{type(self).__name__}.batch returned structure {tree}, expected {self.out_tree}"
-            )
-        return leaves
-
-
-def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
-    if prefix is None or isinstance(prefix, int):
-        return [prefix] * tree.num_leaves
-    return tree.flatten_up_to(prefix)
-
-
-def _describe(v: Any) -> str:
-    leaves = jax.tree_util.tree_leaves(v)
-    return ", ".join(compat.typeof(x).str_short() for x in leaves if hasattr(x, "shape")) or repr(v)

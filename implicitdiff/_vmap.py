@@ -16,14 +16,15 @@ import jax.numpy as jnp
 
 from . import _jax_compat as compat
 from ._jax_compat import Zero
-from ._primitive import Primitive, Static, _Accum, _broadcast_prefix, _overrides
+from ._primitive import Primitive
+from ._rule_data import Accum, Static, broadcast_prefix, is_accum
 
 
 class VmapOf(Primitive):
     """`prim` mapped over the axis `axis_data`, inputs batched at `in_dims` (flat)."""
 
     def __init__(self, prim: Primitive, axis_data: Any, in_dims: list, out_dim: Any):
-        out_dims = _broadcast_prefix(out_dim, prim.out_tree)
+        out_dims = broadcast_prefix(out_dim, prim.out_tree)
         self.in_avals = tuple(
             prim._unflatten_in(
                 [compat.unmapped_aval(axis_data, d, a) for a, d in zip(prim.in_avals_flat, in_dims)]
@@ -109,7 +110,7 @@ class VmapOf(Primitive):
     def vjp_bwd_retval(self, res_, g):
         prim = self.prim
         res, res_axes = _unpack_residuals(res_)
-        if _overrides(type(prim), "vjp_bwd_batched"):
+        if type(prim)._defines("vjp_bwd_batched"):
             cts = prim.vjp_bwd_batched(
                 self.axis_data.size, self._in_axes, res, res_axes, g, self._out_axes
             )
@@ -124,7 +125,7 @@ class VmapOf(Primitive):
                 next(it) if n else Zero(compat.tangent_aval(a))
                 for a, n in zip(prim.out_avals_flat, nz)
             ]
-            accs = [_Accum(compat.tangent_aval(a)) for a in prim.in_avals_flat]
+            accs = [Accum(compat.tangent_aval(a)) for a in prim.in_avals_flat]
             prim.vjp_bwd(
                 res,
                 jax.tree_util.tree_unflatten(prim.out_tree, g_full),
@@ -168,7 +169,7 @@ class VmapOf(Primitive):
         # batched results to the real accumulators.
         prim = self.prim
         flat = prim.in_tree.flatten_up_to(maybe_accums)
-        is_lin = [_is_accum(a) for a in flat]
+        is_lin = [is_accum(a) for a in flat]
         vals = [a for a, lin in zip(flat, is_lin) if not lin]
         val_dims = [d for d, lin in zip(self.in_dims, is_lin) if not lin]
         lin_dims = [d for d, lin in zip(self.in_dims, is_lin) if lin]
@@ -176,7 +177,7 @@ class VmapOf(Primitive):
         cts = [compat.instantiate_zeros(c) for c in prim.out_tree.flatten_up_to(out_ct)]
 
         def f(vals, cts):
-            accs = [_Accum(a) for a in lin_avals]
+            accs = [Accum(a) for a in lin_avals]
             it_v, it_a = iter(vals), iter(accs)
             args = [next(it_a) if lin else next(it_v) for lin in is_lin]
             prim.transpose(
@@ -188,13 +189,8 @@ class VmapOf(Primitive):
             ]
 
         outs = self._vmap(f, (val_dims, list(self.out_dims)), lin_dims, sum_match=True)(vals, cts)
-        for acc, o in zip([a for a in flat if _is_accum(a)], outs):
+        for acc, o in zip([a for a in flat if is_accum(a)], outs):
             acc.accum(o)
-
-
-def _is_accum(x):
-    """Linear inputs reach `transpose` as cotangent accumulators (objects with `.accum`)."""
-    return hasattr(x, "accum")
 
 
 def _one_element(res, res_axes, g_nz, g_dims):
@@ -219,3 +215,6 @@ def _nonzero(flat, dims):
         [x for x, n in zip(flat, nz) if n],
         [d for d, n in zip(dims, nz) if n],
     )
+
+
+Primitive._default_batching = VmapOf

@@ -18,6 +18,9 @@ from typing import Any
 
 import jax
 
+from . import linear_solve
+from ._checks import find_mismatch
+from ._trees import describe
 from .root import custom_root
 
 __all__ = ["implicit_diff"]
@@ -45,11 +48,14 @@ def implicit_diff(
         optimality_fun: `F(x, *params) -> residual`, with the residual shaped
             like `x`. Its parameters after the first are matched with the
             solver's arguments after `init`, by position and by keyword.
-        solve: linear solver for systems with the Jacobian `d_x F`, called as
-            `solve(matvec, b)` (see `implicitdiff.linear_solve`; default
-            `linear_solve.auto`). It must be linear in `b` and transposable, as
-            every solver of `linear_solve` is. For minimisers `d_x F` is a
-            Hessian, so `linear_solve.cg` is a good choice.
+        solve: linear solver for systems with the Jacobian `d_x F`: a
+            `linear_solve.LinearSolver` (default `linear_solve.Auto()`), prepared
+            once at the solution (`Dense` factors `d_x F` once, and reverse mode
+            reuses the factors for the transposed system), or any function
+            `solve(matvec, b)` linear in `b` and transposable, as every function
+            of `linear_solve` is. For minimisers `d_x F` is a Hessian, so
+            `linear_solve.CG()` or `linear_solve.Dense(symmetric=True)` are good
+            choices.
         has_aux: the solver returns `(x*, aux)`; `aux` is passed through
             without derivative.
 
@@ -64,7 +70,7 @@ def implicit_diff(
         def ridge_optimality(w, X, y, lam):  # gradient of the ridge objective
             return X.T @ (X @ w - y) / len(y) + lam * w
 
-        @implicit_diff(ridge_optimality, solve=linear_solve.cg)
+        @implicit_diff(ridge_optimality, solve=linear_solve.CG())
         def ridge(init, X, y, lam):
             # Any solver will do; here a closed form stands in for an iterative one.
             n, d = X.shape
@@ -82,9 +88,7 @@ def implicit_diff(
             "use it as @implicit_diff(optimality_fun, solve=...)"
         )
     if solve is None:
-        from . import linear_solve
-
-        solve = linear_solve.auto
+        solve = linear_solve.Auto()
     elif not callable(solve):
         raise TypeError(
             f"implicit_diff: `solve` must be a linear solver `solve(matvec, b)`, got {solve!r}"
@@ -131,7 +135,7 @@ def _check_shapes(optimality_fun, solver, name, init, args, kwargs, has_aux):
     except TypeError as e:
         raise TypeError(
             f"implicit_diff: calling {name}(init, ...) failed with `init` of type "
-            f"{_fmt(jax.eval_shape(lambda x: x, init))}: {e}"
+            f"{describe(jax.eval_shape(lambda x: x, init))}: {e}"
         ) from e
     if has_aux:
         if not (isinstance(sol, tuple) and len(sol) == 2):
@@ -144,17 +148,9 @@ def _check_shapes(optimality_fun, solver, name, init, args, kwargs, has_aux):
 
 
 def _same_or_raise(name, what, tree, sol):
-    same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(sol) and all(
-        a.shape == b.shape and a.dtype == b.dtype
-        for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(sol))
-    )
-    if not same:
+    if find_mismatch(tree, sol) is not None:
         raise TypeError(
             f"implicit_diff: {what} must have the structure, shapes and dtypes of the "
-            f"solution {name} returns; got {_fmt(tree)} for {what} and {_fmt(sol)} for the "
-            "solution"
+            f"solution {name} returns; got {describe(tree)} for {what} and {describe(sol)} "
+            "for the solution"
         )
-
-
-def _fmt(tree):
-    return jax.tree_util.tree_map(lambda s: f"{s.dtype}{list(s.shape)}", tree)

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 
 from . import _jax_compat as compat
 from ._checks import check_returns_like
-from ._primitive import Primitive, Zero
+from ._primitive import Primitive
+from ._rule_data import is_accum
+from ._trees import instantiate_cotangent, leaves_with_zeros
 
 __all__ = ["custom_linear_solve"]
 
@@ -219,10 +221,9 @@ class _LinearSolve(Primitive):
 
     def vjp_bwd_retval(self, res, g):
         mvc, sc, tc, x = res
-        gx = g[0] if self.has_aux else g
-        if all(isinstance(t, Zero) for t in _leaves(gx)):
+        gx = instantiate_cotangent(g[0] if self.has_aux else g)
+        if gx is None:
             return None, None, None, None
-        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx, is_leaf=_is_zero)
         w = self._x(self._flipped()(mvc, sc, tc, gx))
         _, pullback = jax.vjp(lambda c: self._apply_a(c, x), mvc)
         (ct_mvc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
@@ -233,30 +234,16 @@ class _LinearSolve(Primitive):
         # a known value. Only `b` may be linear; leaves of `b` that are known values
         # (a constant block of the right-hand side) just get no cotangent.
         for name, part in (("matvec", mvc), ("solve", sc), ("transpose_solve", tc)):
-            if any(_is_accum(v) for v in _leaves(part)):
+            if any(is_accum(v) for v in leaves_with_zeros(part)):
                 raise ValueError(
                     f"custom_linear_solve is linear in `b` only, but it was transposed with "
                     f"respect to a value `{name}` closes over (for example a solver that "
                     "closes over the right-hand side itself); pass such values through `b`"
                 )
-        gx = ct[0] if self.has_aux else ct
-        if all(isinstance(t, Zero) for t in _leaves(gx)):
+        gx = instantiate_cotangent(ct[0] if self.has_aux else ct)
+        if gx is None:
             return
-        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx, is_leaf=_is_zero)
         w = self._x(self._flipped()(mvc, sc, tc, gx))
-        for acc, v in zip(jax.tree_util.tree_leaves(b, is_leaf=_is_accum), _leaves(w)):
-            if _is_accum(acc):
+        for acc, v in zip(jax.tree_util.tree_leaves(b, is_leaf=is_accum), leaves_with_zeros(w)):
+            if is_accum(acc):
                 acc.accum(v)
-
-
-def _is_accum(x):
-    return hasattr(x, "accum")
-
-
-def _is_zero(x):
-    return isinstance(x, Zero)
-
-
-def _leaves(tree):
-    """Leaves of a (co)tangent pytree, symbolic `Zero`s included (they have no children)."""
-    return jax.tree_util.tree_leaves(tree, is_leaf=_is_zero)

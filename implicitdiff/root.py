@@ -11,6 +11,13 @@ the cotangent is `theta_bar = -(df/dtheta)^T w` with `w = J^{-T} g` (one
 transposed `tangent_solve`). Neither looks inside `solve`: the iterations that
 found the root are never differentiated, and the initial guess and the
 values only `solve` uses get zero derivative.
+
+When `tangent_solve` is a `linear_solve.LinearSolver`, the rules prepare it once
+at the root (`init` on the Jacobian `J`, e.g. one LU factorisation): forward mode
+solves with that state, and reverse mode makes it a residual of the forward pass
+and solves `J^T w = g` with `transpose_solve` on it, so the backward pass factors
+nothing. Any other `tangent_solve` is a plain function, and reverse mode
+transposes it with `jax.linear_transpose`.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import jax.numpy as jnp
 
 from . import _jax_compat as compat
 from ._checks import check_returns_like
-from ._primitive import Primitive, Zero
+from ._primitive import Primitive
+from ._trees import instantiate_cotangent, leaves_with_zeros
+from .linear_solve import LinearSolver
 
 __all__ = ["custom_root"]
 
@@ -50,9 +59,12 @@ def custom_root(
         tangent_solve: `tangent_solve(g, y) -> x` solving the linear system
             `g(x) = y`, where `g` is the Jacobian of `f` at the root as a linear
             function. For a scalar root `lambda g, y: y / g(1.0)` does; for vectors
-            use a solver from `implicitdiff.linear_solve` or a
-            `custom_linear_solve`. Reverse mode transposes it, so it must be
-            linear in `y` and transposable (the `linear_solve` solvers are).
+            use a solver from `implicitdiff.linear_solve` (an instance such as
+            `linear_solve.Dense()` is prepared once at the root, e.g. factored,
+            and that state serves every derivative solve, transposed ones
+            included) or a `custom_linear_solve`. Reverse mode transposes a plain
+            function, so it must be linear in `y` and transposable (the
+            `linear_solve` solvers are).
         has_aux: `solve` returns `(root, aux)`; `aux` is returned as well and
             gets no derivative.
 
@@ -88,16 +100,29 @@ def custom_root(
     s_conv, s_consts, _ = compat.closure_convert(lambda x: solve(f, x), initial_guess)
     _check_like_guess("solve(f, initial_guess)", s_conv, s_consts, initial_guess, has_aux)
 
-    def linearize_and_solve(x, y):
-        _, f_jvp = jax.linearize(f, x)
-        return tangent_solve(f_jvp, y)
+    if _is_static_solver(tangent_solve):
+        # The rules prepare it once at the root; here it is only traced, for the check.
+        ls_conv, ls_consts, solver = None, [], tangent_solve
+        _check_like_guess(
+            "tangent_solve.solve(tangent_solve.init(g, x), y)",
+            lambda c, x: solver.solve(_prepare(solver, f_conv, c, x), x),
+            f_consts,
+            initial_guess,
+            False,
+        )
+    else:
 
-    ls_conv, ls_consts, _ = compat.closure_convert(
-        linearize_and_solve, initial_guess, initial_guess
-    )
-    _check_like_guess(
-        "tangent_solve(g, y)", lambda c, x: ls_conv(c, x, x), ls_consts, initial_guess, False
-    )
+        def linearize_and_solve(x, y):
+            _, f_jvp = jax.linearize(f, x)
+            return tangent_solve(f_jvp, y)
+
+        ls_conv, ls_consts, _ = compat.closure_convert(
+            linearize_and_solve, initial_guess, initial_guess
+        )
+        solver = None
+        _check_like_guess(
+            "tangent_solve(g, y)", lambda c, x: ls_conv(c, x, x), ls_consts, initial_guess, False
+        )
     return _Root.apply(
         f_consts,
         s_consts,
@@ -106,8 +131,27 @@ def custom_root(
         f=f_conv,
         solve=s_conv,
         linearize_and_solve=ls_conv,
+        linear_solver=solver,
         has_aux=bool(has_aux),
     )
+
+
+def _is_static_solver(tangent_solve: Any) -> bool:
+    """Whether `tangent_solve` is a `LinearSolver` that can be a static parameter (one
+    whose options are traced values is not hashable: it is then used as a function)."""
+    if not isinstance(tangent_solve, LinearSolver):
+        return False
+    try:
+        hash(tangent_solve)
+    except TypeError:
+        return False
+    return True
+
+
+def _prepare(solver: LinearSolver, f: Callable[..., Any], fc: Any, x: Any) -> Any:
+    """`solver.init` on the Jacobian of `f(fc, .)` at `x`."""
+    _, f_jvp = jax.linearize(lambda x: f(fc, x), x)
+    return solver.init(f_jvp, x)
 
 
 def _check_like_guess(what, fn, consts, guess, has_aux):
@@ -120,6 +164,8 @@ class _Root(Primitive):
 
     Inputs: `(f_consts, solve_consts, tangent_solve_consts, initial_guess)`;
     only `f_consts` have nonzero derivatives. Output: `x*` or `(x*, aux)`.
+    Params: `f`, `solve`, and either `linearize_and_solve` (a plain tangent
+    solve, closure-converted) or `linear_solver` (a `LinearSolver`).
     """
 
     def _root(self, out):
@@ -139,20 +185,36 @@ class _Root(Primitive):
         out = self(*primals)
         x = self._root(out)
         _, rhs = jax.jvp(lambda c: self.f(c, x), (fc,), (dfc,))
-        dx = jax.tree_util.tree_map(jnp.negative, self.linearize_and_solve(lc, x, rhs))
-        return self._with_aux_tangent(out, dx)
+        if self.linear_solver is None:
+            dx = self.linearize_and_solve(lc, x, rhs)
+        else:
+            dx = self.linear_solver.solve(_prepare(self.linear_solver, self.f, fc, x), rhs)
+        return self._with_aux_tangent(out, jax.tree_util.tree_map(jnp.negative, dx))
 
     def vjp_fwd(self, nzs_in, fc, sc, lc, x0):
         out = self(fc, sc, lc, x0)
-        return out, (fc, lc, self._root(out))
+        x = self._root(out)
+        state = None
+        if self.linear_solver is not None and any(leaves_with_zeros(nzs_in[0])):
+            state = _prepare(self.linear_solver, self.f, fc, x)
+        return out, (fc, lc, x, state)
 
     def vjp_bwd_retval(self, res, g):
-        fc, lc, x = res
-        gx = self._root(g) if self.has_aux else g
-        if all(isinstance(t, Zero) for t in _leaves(gx)):
+        fc, lc, x, state = res
+        gx = instantiate_cotangent(self._root(g) if self.has_aux else g)
+        if gx is None or (self.linear_solver is not None and state is None):
             return None, None, None, None
-        gx = jax.tree_util.tree_map(compat.instantiate_zeros, gx, is_leaf=_is_zero)
-        # w = J^{-T} g: transpose the tangent solve (linear in its right-hand side).
+        # w = J^{-T} g.
+        if self.linear_solver is not None:
+            w = self.linear_solver.transpose_solve(state, gx)
+        else:
+            w = self._transpose_tangent_solve(lc, x, gx)
+        _, pullback = jax.vjp(lambda c: self.f(c, x), fc)
+        (ct_fc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
+        return ct_fc, None, None, None
+
+    def _transpose_tangent_solve(self, lc, x, gx):
+        """Transpose the plain tangent solve (linear in its right-hand side) at `gx`."""
         try:
             (w,) = jax.linear_transpose(lambda y: self.linearize_and_solve(lc, x, y), x)(gx)
         except NotImplementedError as e:
@@ -164,15 +226,4 @@ class _Root(Primitive):
                 "solvers of jax.scipy.sparse.linalg cannot be transposed: they use "
                 "jax.lax.custom_linear_solve with auxiliary outputs.)"
             ) from e
-        _, pullback = jax.vjp(lambda c: self.f(c, x), fc)
-        (ct_fc,) = pullback(jax.tree_util.tree_map(jnp.negative, w))
-        return ct_fc, None, None, None
-
-
-def _is_zero(x):
-    return isinstance(x, Zero)
-
-
-def _leaves(tree):
-    """Leaves of a (co)tangent pytree, symbolic `Zero`s included (they have no children)."""
-    return jax.tree_util.tree_leaves(tree, is_leaf=_is_zero)
+        return w

@@ -10,9 +10,10 @@
   the status codes `SUCCESS`, `MAX_STEPS`, `NONFINITE`, `BAD_BRACKET`.
 
 - `odeint`: integrate an ODE (adaptive explicit, stiff and fixed-step Runge-Kutta
-  methods), call-compatible with `jax.experimental.ode.odeint`, with forward
-  sensitivities and a continuous or checkpointed discrete adjoint; `ODEInfo`;
-  with `dense=True` an `ODESolution` to evaluate anywhere in the span.
+  methods, as objects in `solvers.ode.methods` or by name), call-compatible with
+  `jax.experimental.ode.odeint`, with forward sensitivities and a continuous
+  (`BacksolveAdjoint`) or checkpointed discrete (`CheckpointAdjoint`) adjoint;
+  `ODEInfo`; with `dense=True` an `ODESolution` to evaluate anywhere in the span.
 - `odeint_event`: integrate until an event function crosses zero; the event time
   and state are differentiated through the implicit function theorem.
 - `steady_state`: integrate to equilibrium, differentiated implicitly.
@@ -20,16 +21,23 @@
 `solvers.nn` packages them as Equinox layers: `DEQ`, `NeuralODE`, `RootLayer`, `ArgminLayer`.
 """
 
+from . import ode
 from ._info import BAD_BRACKET, DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
-from ._ode_solution import ODESolution
-from .events import odeint_event
 from .fixed_point import fixed_point
 from .minimize import minimize
-from .odeint import ODEInfo, odeint
+from .ode import (
+    BacksolveAdjoint,
+    CheckpointAdjoint,
+    ODEInfo,
+    ODESolution,
+    odeint,
+    odeint_event,
+    steady_state,
+)
 from .root import root
-from .steady_state import steady_state
 
 __all__ = [
+    "ode",
     "fixed_point",
     "root",
     "minimize",
@@ -38,6 +46,8 @@ __all__ = [
     "ODESolution",
     "odeint_event",
     "steady_state",
+    "BacksolveAdjoint",
+    "CheckpointAdjoint",
     "SolveInfo",
     "SUCCESS",
     "MAX_STEPS",

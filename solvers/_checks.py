@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from implicitdiff._jax_compat import in_checked_shard_map
+from implicitdiff.internal import find_mismatch, in_checked_shard_map
 
 __all__ = [
+    "solve_flags",
     "static_int",
     "static_float",
     "static_bool",
@@ -90,6 +91,16 @@ def status_returned(
     )
 
 
+def solve_flags(name: str, throw: Any, return_info: Any) -> None:
+    """The checks every solver makes of `throw` and `return_info` (static bools, and
+    `throw=False` only with `return_info=True`), and that it is not traced inside a
+    checked `shard_map`."""
+    static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
+    static_bool(name, "return_info", return_info)
+    status_returned(name, throw, return_info)
+
+
 def float_dtype(name: str, arg: str, tree: Any) -> np.dtype:
     """The widest floating dtype among `tree`'s leaves; non-float leaves are an error."""
     leaves = jax.tree_util.tree_leaves(tree)
@@ -109,17 +120,15 @@ def float_dtype(name: str, arg: str, tree: Any) -> np.dtype:
 
 def returns_like(name: str, call: str, out: Any, arg: str, like: Any) -> None:
     """Raise unless `out` (abstract) has the structure, shapes and dtypes of `like`."""
-    want = jax.eval_shape(lambda x: x, like)
-    t_out, t_want = jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(want)
-    if t_out != t_want:
+    m = find_mismatch(out, jax.eval_shape(lambda x: x, like))
+    if m is None:
+        return
+    if m.index is None:
         raise TypeError(
             f"{name}: {call} must return a pytree with the structure of `{arg}`; "
-            f"got {t_out} for {call} and {t_want} for {arg}"
+            f"got {m.got} for {call} and {m.want} for {arg}"
         )
-    pairs = zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want))
-    for i, (o, w) in enumerate(pairs):
-        if o.shape != w.shape or o.dtype != w.dtype:
-            raise TypeError(
-                f"{name}: {call} must keep the shape and dtype of `{arg}`, but leaf {i} is "
-                f"{o.dtype}{list(o.shape)} where {arg} has {w.dtype}{list(w.shape)}"
-            )
+    raise TypeError(
+        f"{name}: {call} must keep the shape and dtype of `{arg}`, but leaf {m.index} is "
+        f"{m.got.dtype}{list(m.got.shape)} where {arg} has {m.want.dtype}{list(m.want.shape)}"
+    )

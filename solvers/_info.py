@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from implicitdiff import error_if
+from implicitdiff.internal import max_norm
 
 __all__ = [
     "SolveInfo",
@@ -20,6 +21,9 @@ __all__ = [
     "STATUS_NAMES",
     "report",
     "default_tolerance",
+    "describe_status",
+    "failure_message",
+    "max_norm",
 ]
 
 #: `SolveInfo.status` codes.
@@ -60,12 +64,15 @@ class SolveInfo(eqx.Module):
         return self.status == SUCCESS
 
 
+def describe_status(*codes: int) -> str:
+    """The meaning of status codes for a message, e.g. `"1: max_steps reached, 2: ..."`."""
+    return ", ".join(f"{code}: {STATUS_NAMES[code]}" for code in codes)
+
+
 def failure_message(name: str, max_steps: int) -> str:
     """The run-time error text for a solve that did not converge, a `str.format` template
     with the fields `status`, `steps` and `residual`."""
-    codes = ", ".join(
-        f"{code}: {STATUS_NAMES[code]}" for code in (MAX_STEPS, NONFINITE, BAD_BRACKET)
-    )
+    codes = describe_status(MAX_STEPS, NONFINITE, BAD_BRACKET)
     return (
         f"{name} did not converge: status {{status}} ({codes}; max_steps={max_steps}) "
         "after {steps} steps, last residual {residual:.3e}. To fix it: raise `max_steps`, "
@@ -86,10 +93,3 @@ def report(x: Any, info: SolveInfo, *, throw: bool, name: str, max_steps: int) -
         failure_message(name, max_steps),
         values={"status": info.status, "steps": info.steps, "residual": info.residual},
     )
-
-
-def max_norm(tree_leaves: list[Any]) -> Any:
-    """Max-abs over every leaf (0 for an empty list)."""
-    if not tree_leaves:
-        return jnp.zeros(())
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in tree_leaves]))

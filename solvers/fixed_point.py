@@ -39,25 +39,25 @@ import jax.scipy.sparse.linalg as jsp_linalg
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from implicitdiff import Primitive, Zero, implicit_diff, linear_solve
-from implicitdiff._errors import any_over_batch, check_lazily, error_if, reduce_any
-from implicitdiff._jax_compat import closure_convert, instantiate_zeros, vmap_size
-
-from ._checks import (
-    float_dtype,
-    not_in_checked_shard_map,
-    returns_like,
-    static_bool,
-    static_float,
-    static_int,
-    status_returned,
+from implicitdiff import Primitive, error_if, implicit_diff, linear_solve
+from implicitdiff.internal import (
+    all_finite,
+    any_over_batch,
+    check_lazily,
+    closure_convert,
+    instantiate_cotangent,
+    reduce_any,
+    vmap_size,
 )
+
+from ._checks import float_dtype, returns_like, solve_flags, static_float, static_int
 from ._info import (
     MAX_STEPS,
     NONFINITE,
     SUCCESS,
     SolveInfo,
     default_tolerance,
+    describe_status,
     failure_message,
     max_norm,
 )
@@ -66,7 +66,9 @@ __all__ = ["fixed_point"]
 
 Method = Literal["iterate", "damped", "anderson"]
 _METHODS = ("iterate", "damped", "anderson")
-_ADJOINTS = ("neumann", "gmres", "dense", "auto")
+# The names `adjoint` accepts: "neumann" is this module's own series (the primitive below),
+# the others the solvers of `implicitdiff.linear_solve` of those names.
+_ADJOINT_NAMES = ("neumann", "gmres", "dense", "auto")
 _MIN_DERIVATIVE_STEPS = 100  # the derivative solves may take at least this many steps
 # The default adjoint after "damped" or "anderson" stops the Neumann series of an
 # element once its step has grown `_GROWTH` times larger than its first step (the series
@@ -77,8 +79,9 @@ _STALL_STEPS = 64
 # The direct solve of the default adjoint: dense LU up to this many unknowns per element
 # (as `implicitdiff.linear_solve.auto`), restarted GMRES above.
 _DENSE_MAX_SIZE = linear_solve.AUTO_DENSE_MAX_SIZE
-_GMRES_RESTART = 20
-_RESIDUAL_SLACK = 10.0  # how far GMRES's residual may exceed its tolerance before it fails
+_GMRES_RESTART = linear_solve.GMRES.restart
+# How far GMRES's residual may exceed its tolerance before it fails.
+_RESIDUAL_SLACK = linear_solve.RESIDUAL_SLACK
 # The default `check_every` when a step updates at least `_LARGE` numbers: the tests then
 # cost passes over memory, and an inner loop of steps between them pays for itself.
 _LARGE = 2**14
@@ -98,7 +101,7 @@ def fixed_point(
     history: int = 5,
     regularisation: float = 1e-5,
     check_every: int | None = None,
-    adjoint: str | Callable[..., Any] | None = None,
+    adjoint: str | linear_solve.LinearSolver | Callable[..., Any] | None = None,
     throw: bool = True,
     return_info: bool = False,
 ) -> Any:
@@ -148,9 +151,11 @@ def fixed_point(
             the default gives the derivative whenever the solve converged and
             `I - A` is invertible, at the cost of the series where `f` contracts.
             `"neumann"`: the series alone, raising when it does not converge.
-            `"gmres"`, `"dense"`, `"auto"`, or any `solve(matvec, b)` from
-            `implicitdiff.linear_solve` (e.g. a `functools.partial` with options):
-            that solver, always.
+            `"gmres"`, `"dense"`, `"auto"` (aliases of the classes of
+            `implicitdiff.linear_solve` with default options), a
+            `linear_solve.LinearSolver` such as `linear_solve.GMRES(maxiter=1000)`
+            (prepared once at the solution: `Dense()` factors `I - A` once), or any
+            transposable function `solve(matvec, b)`: that solver, always.
         throw: raise at run time when the solve fails (max steps, non-finite
             values). `throw=False` needs `return_info=True`: the status in the
             returned info is then the only sign of a failed solve (a `ValueError`
@@ -186,15 +191,12 @@ def fixed_point(
     regularisation = static_float(name, "regularisation", regularisation)
     if not 0.0 < damping <= 1.0:
         raise ValueError(f"fixed_point: `damping` must be in (0, 1], got {damping}")
-    static_bool(name, "throw", throw)
-    not_in_checked_shard_map(name)
-    static_bool(name, "return_info", return_info)
-    status_returned(name, throw, return_info)
-    if adjoint is not None and not callable(adjoint) and adjoint not in _ADJOINTS:
-        raise ValueError(
-            f"fixed_point: `adjoint` must be None (the default), one of {_ADJOINTS} or a "
-            f"linear solver `solve(matvec, b)`, got {adjoint!r}"
-        )
+    solve_flags(name, throw, return_info)
+    # "neumann" is the series run by this module's primitive, not `linear_solve.Neumann`.
+    series = adjoint is None or (isinstance(adjoint, str) and adjoint == "neumann")
+    solve = linear_solve.resolve(
+        adjoint, "fixed_point: `adjoint`", choices=_ADJOINT_NAMES, none_means="the default"
+    )
 
     dtype = float_dtype(name, "x_guess", x_guess)
     # Trace `f` once: for the check below, and to hoist the traced values it closes over
@@ -224,7 +226,7 @@ def fixed_point(
         fallback=adjoint is None and method != "iterate",
     )
 
-    if adjoint is None or (isinstance(adjoint, str) and adjoint == "neumann"):
+    if series:
         x, info = _FixedPoint.apply(consts, a, x_guess, tol, f=f_conv, cfg=cfg)
     else:
 
@@ -234,7 +236,6 @@ def fixed_point(
         def residual(x, a):
             return jax.tree_util.tree_map(jnp.subtract, x, f(a, x))
 
-        solve = adjoint if callable(adjoint) else getattr(linear_solve, adjoint)
         x, info = implicit_diff(residual, solve=solve, has_aux=True)(solver)(x_guess, a)
     return (x, info) if return_info else x
 
@@ -305,10 +306,9 @@ class _FixedPoint(Primitive):
 
     def vjp_bwd_retval(self, res, g):
         consts, a, x, tol = res
-        g_x = g[0]
-        if all(isinstance(t, Zero) for t in _leaves(g_x)):
+        g_x = instantiate_cotangent(g[0])
+        if g_x is None:
             return None, None, None, None
-        g_x = jax.tree_util.tree_map(instantiate_zeros, g_x, is_leaf=_is_zero)
         # w = g + A^T w, then (consts, a)_bar = B^T w.
         w = _linear_solve(_adjoint_step, self.f, (consts, a, x, g_x), g_x, tol, self.cfg)
         _, pullback = jax.vjp(lambda c, a: self.f(c, a, x), consts, a)
@@ -351,14 +351,6 @@ def _linear_solve(step, f, params, guess, tol, cfg):
 def _bind_step(step, f, consts, params, u):
     del consts  # the linear maps close over nothing traced: all of it is in `params`
     return step(f, params, u)
-
-
-def _is_zero(x):
-    return isinstance(x, Zero)
-
-
-def _leaves(tree):
-    return jax.tree_util.tree_leaves(tree, is_leaf=_is_zero)
 
 
 # ---------------------------------------------------------------------------
@@ -588,8 +580,7 @@ def _direct_failure_message(how, residual):
         "I - df/dx is singular or nearly so (df/dx has an eigenvalue 1), and the fixed "
         "point does not depend smoothly on the parameters there. To fix it: check that "
         "the fixed point is isolated, or, for a large state, pass a solver with more "
-        "iterations, e.g. adjoint=functools.partial(implicitdiff.linear_solve.gmres, "
-        "maxiter=1000)."
+        "iterations, e.g. adjoint=implicitdiff.linear_solve.GMRES(maxiter=1000)."
     )
 
 
@@ -644,15 +635,10 @@ def _not_settled(x, x_prev, tol):
     return functools.reduce(jnp.logical_or, flags)
 
 
-def _all_finite(x):
-    leaves = jax.tree_util.tree_leaves(x)
-    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(v)) for v in leaves])
-
-
 def _info(x, x_prev, steps, tol, scale):
     """The `SolveInfo` of a solve that stopped at `x`, the image of `x_prev`."""
     status = jnp.where(
-        _all_finite(x), jnp.where(_moving(x, x_prev, tol), MAX_STEPS, SUCCESS), NONFINITE
+        all_finite(x), jnp.where(_moving(x, x_prev, tol), MAX_STEPS, SUCCESS), NONFINITE
     )
     sizes = [jnp.abs(u - v) for u, v in _pairs(x, x_prev)]
     return SolveInfo(
@@ -663,7 +649,7 @@ def _info(x, x_prev, steps, tol, scale):
 
 
 def _failed(x, x_prev, tol):
-    return _moving(x, x_prev, tol) | ~_all_finite(x)
+    return _moving(x, x_prev, tol) | ~all_finite(x)
 
 
 def _check(x, x_prev, steps, tol, failed, cfg):
@@ -674,7 +660,7 @@ def _check(x, x_prev, steps, tol, failed, cfg):
         msg = (
             "fixed_point: the linear solve for the derivative (adjoint='neumann': the "
             "fixed-point iteration run on the linearised map) did not converge: status "
-            "{status} (1: max_steps reached, 2: non-finite values) after {steps} steps, "
+            f"{{status}} ({describe_status(MAX_STEPS, NONFINITE)}) after {{steps}} steps, "
             "last step {residual:.3e}. It converges only when `f` contracts at the "
             "solution (every eigenvalue of df/dx below 1 in modulus). To fix it: pass "
             "adjoint='dense' (small states) or adjoint='gmres', raise `max_steps` (now "

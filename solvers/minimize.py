@@ -15,7 +15,6 @@ Hessian, whatever the number of steps the optimiser took.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,20 +25,17 @@ import optax.tree_utils as otu
 from jax.flatten_util import ravel_pytree
 
 from implicitdiff import implicit_diff, linear_solve
+from implicitdiff.internal import all_finite, describe
 
-from ._checks import (
-    float_dtype,
-    not_in_checked_shard_map,
-    static_bool,
-    static_int,
-    status_returned,
-)
+from ._checks import float_dtype, solve_flags, static_int
 from ._info import MAX_STEPS, NONFINITE, SUCCESS, SolveInfo, max_norm, report
 
 __all__ = ["minimize"]
 
 _METHODS = ("lbfgs", "newton")
-_LINEAR_SOLVERS = ("auto", "dense", "cg", "gmres", "bicgstab")
+# The Hessian is symmetric: CG applies, CG on the normal equations would only square its
+# condition number, and the Neumann series needs a contraction.
+_LINEAR_SOLVER_NAMES = ("auto", "dense", "cg", "gmres", "bicgstab")
 
 
 def minimize(
@@ -50,7 +46,7 @@ def minimize(
     rtol: float | None = None,
     atol: float | None = None,
     max_steps: int = 1000,
-    linear_solver: str | Callable[..., Any] = "auto",
+    linear_solver: str | linear_solve.LinearSolver | Callable[..., Any] = "auto",
     throw: bool = True,
     return_info: bool = False,
 ) -> Any:
@@ -83,9 +79,13 @@ def minimize(
         atol: absolute tolerance on the gradient (same defaults).
         max_steps: the most iterations before giving up (a Python int).
         linear_solver: how systems with the Hessian are solved in the derivatives:
-            a name from `implicitdiff.linear_solve` (`"auto"`: dense for small
-            problems, CG for large ones; `"dense"`, `"cg"`, `"gmres"`,
-            `"bicgstab"`) or any transposable `solve(matvec, b)`.
+            a `implicitdiff.linear_solve.LinearSolver`, e.g.
+            `linear_solve.CG(rtol=1e-12)` (prepared once at the minimiser:
+            `Dense()` factors the Hessian once), a name as an alias of one with
+            default options (`"auto"`: dense for small problems, CG for large
+            ones; `"dense"`, `"cg"`, `"gmres"`, `"bicgstab"`; `"auto"` and
+            `"dense"` are told the Hessian is symmetric), or any transposable
+            function `solve(matvec, b)`.
         throw: raise at run time when the solve fails (max steps, non-finite
             values). `throw=False` needs `return_info=True`: the status in the
             returned info is then the only sign of a failed solve (a `ValueError`
@@ -123,16 +123,15 @@ def minimize(
             f"(e.g. optax.adam(1e-2)), got {method!r}"
         )
     max_steps = static_int(name, "max_steps", max_steps, minimum=1)
-    static_bool(name, "throw", throw)
-    not_in_checked_shard_map(name)
-    static_bool(name, "return_info", return_info)
-    status_returned(name, throw, return_info)
+    solve_flags(name, throw, return_info)
     dtype = float_dtype(name, "x0", x0)
     _check_scalar_objective(fun, x0, args)
     default = 1e-10 if jnp.dtype(dtype).itemsize >= 8 else 1e-5
     rtol = default if rtol is None else rtol
     atol = default if atol is None else atol
-    solve = _linear_solver(linear_solver)
+    solve = linear_solve.resolve(
+        linear_solver, "minimize: `linear_solver`", choices=_LINEAR_SOLVER_NAMES, symmetric=True
+    )
 
     def optimality(x, *args):
         return jax.grad(fun)(x, *args)
@@ -161,24 +160,9 @@ def _check_scalar_objective(fun, x0, args):
     ):
         raise TypeError(
             "minimize: fun(x0, *args) must return a real floating-point scalar, got "
-            f"{jax.tree_util.tree_map(lambda s: f'{s.dtype}{list(s.shape)}', out)}; "
+            f"{describe(out)}; "
             "reduce it (e.g. jnp.sum or jnp.mean) and return aux values separately"
         )
-
-
-def _linear_solver(linear_solver):
-    if callable(linear_solver):
-        return linear_solver
-    if linear_solver not in _LINEAR_SOLVERS:
-        raise ValueError(
-            f"minimize: `linear_solver` must be one of {_LINEAR_SOLVERS} or a linear solver "
-            f"`solve(matvec, b)` from implicitdiff.linear_solve, got {linear_solver!r}"
-        )
-    solve = getattr(linear_solve, linear_solver)
-    if linear_solver in ("auto", "dense"):
-        # The Hessian is symmetric: reverse mode reuses it instead of transposing it.
-        solve = functools.partial(solve, symmetric=True)
-    return solve
 
 
 def _gradient_ratio(grad, tolerance):
@@ -190,11 +174,6 @@ def _gradient_ratio(grad, tolerance):
 def _info(ratio, size, steps, finite):
     status = jnp.where(~finite, NONFINITE, jnp.where(ratio <= 1, SUCCESS, MAX_STEPS))
     return SolveInfo(steps=steps, residual=size, status=status.astype(jnp.int32))
-
-
-def _all_finite(*trees):
-    leaves = jax.tree_util.tree_leaves(trees)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
 
 def _optax(objective, x0, opt, rtol, atol, max_steps):
@@ -216,13 +195,13 @@ def _optax(objective, x0, opt, rtol, atol, max_steps):
         x = optax.apply_updates(x, updates)
         value, grad = value_and_grad(x, state=state) if cached else value_and_grad(x)
         ratio, size = _gradient_ratio(grad, tolerance)
-        return x, state, value, grad, ratio, size, steps + 1, _all_finite(value, grad)
+        return x, state, value, grad, ratio, size, steps + 1, all_finite((value, grad))
 
     value, grad = jax.value_and_grad(objective)(x0)
     tolerance = atol + rtol * max_norm(jax.tree_util.tree_leaves(grad))
     ratio, size = _gradient_ratio(grad, tolerance)
     steps = jnp.asarray(0, jnp.int32)
-    init = (x0, state0, value, grad, ratio, size, steps, _all_finite(value, grad))
+    init = (x0, state0, value, grad, ratio, size, steps, all_finite((value, grad)))
     x, *_, ratio, size, steps, finite = jax.lax.while_loop(cond, body, init)
     return x, _info(ratio, size, steps, finite)
 
@@ -261,12 +240,12 @@ def _newton(objective, x0, rtol, atol, max_steps):
         x = x + t * p
         value, grad = value_and_grad(x)
         ratio, size = _gradient_ratio(grad, tolerance)
-        return x, value, grad, ratio, size, steps + 1, _all_finite(value, grad)
+        return x, value, grad, ratio, size, steps + 1, all_finite((value, grad))
 
     value, grad = value_and_grad(flat0)
     tolerance = atol + rtol * max_norm([grad])
     ratio, size = _gradient_ratio(grad, tolerance)
     steps = jnp.asarray(0, jnp.int32)
-    init = (flat0, value, grad, ratio, size, steps, _all_finite(value, grad))
+    init = (flat0, value, grad, ratio, size, steps, all_finite((value, grad)))
     x, *_, ratio, size, steps, finite = jax.lax.while_loop(cond, body, init)
     return unravel(x), _info(ratio, size, steps, finite)

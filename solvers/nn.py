@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from ._checks import status_returned
 from .fixed_point import fixed_point
 from .minimize import minimize
-from .odeint import odeint
+from .ode import odeint
 from .root import root
 
 __all__ = ["DEQ", "NeuralODE", "RootLayer", "ArgminLayer"]
@@ -99,7 +99,7 @@ class DEQ(eqx.Module):
       a cell that contracts weakly, far fewer cell evaluations than the series, which
       converges at the cell's contraction rate; and it never builds the dense
       Jacobian that the fallback would build for states of up to 256 numbers. Its
-      tolerance is `implicitdiff.linear_solve.gmres`'s default (1e-5 in float32,
+      tolerance is `implicitdiff.linear_solve.GMRES`'s default (1e-5 in float32,
       1e-10 in float64), not `rtol`. Pass `adjoint=None` for `fixed_point`'s rule.
 
     Attributes:
@@ -114,9 +114,9 @@ class DEQ(eqx.Module):
         history: Anderson's memory.
         adjoint: the backward linear solver: `"gmres"` (default), `None`
             (`fixed_point`'s default), `"neumann"` (the same fixed-point iteration on
-            the linear system; needs a contraction), `"dense"`, `"auto"`, or a
-            `solve(matvec, b)` from `implicitdiff.linear_solve` (e.g. a
-            `functools.partial` setting its tolerance).
+            the linear system; needs a contraction), `"dense"`, `"auto"`, a
+            `implicitdiff.linear_solve.LinearSolver` with its own options (e.g.
+            `linear_solve.GMRES(rtol=1e-4)`), or any function `solve(matvec, b)`.
         throw: raise when the solve does not converge. `throw=False` needs
             `return_info=True` at every call (`z, info = deq(x, return_info=True)`),
             so that the status comes back; a call without it raises a `ValueError`.
@@ -282,7 +282,8 @@ class RootLayer(eqx.Module):
         rtol: relative tolerance.
         atol: absolute tolerance.
         max_steps: the most iterations.
-        linear_solver: the linear solver of the Newton steps and the derivatives.
+        linear_solver: the linear solver of the Newton steps and the derivatives (see
+            `solvers.root`: a name, a `linear_solve.LinearSolver` or a function).
         throw: raise when the solve does not converge. `throw=False` needs
             `return_info=True` at every call (`z, info = layer(x, return_info=True)`),
             so that the status comes back; a call without it raises a `ValueError`.
@@ -334,7 +335,8 @@ class ArgminLayer(eqx.Module):
         rtol: relative tolerance on the gradient.
         atol: absolute tolerance on the gradient.
         max_steps: the most iterations.
-        linear_solver: the linear solver of the derivative (Hessian) systems.
+        linear_solver: the linear solver of the derivative (Hessian) systems (see
+            `solvers.minimize`: a name, a `linear_solve.LinearSolver` or a function).
         throw: raise when the solve does not converge. `throw=False` needs
             `return_info=True` at every call (`z, info = layer(x, return_info=True)`),
             so that the status comes back; a call without it raises a `ValueError`.

@@ -13,6 +13,7 @@ with `J` (and its transpose).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Literal
@@ -23,14 +24,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import custom_root, linear_solve
 
-from ._checks import (
-    float_dtype,
-    not_in_checked_shard_map,
-    returns_like,
-    static_bool,
-    static_int,
-    status_returned,
-)
+from ._checks import float_dtype, returns_like, solve_flags, static_int
 from ._info import (
     BAD_BRACKET,
     MAX_STEPS,
@@ -46,7 +40,9 @@ __all__ = ["root"]
 
 Method = Literal["newton", "chord", "broyden", "bisection"]
 _METHODS = ("newton", "chord", "broyden", "bisection")
-_LINEAR_SOLVERS = ("auto", "dense", "gmres", "bicgstab", "normal_cg")
+# The Jacobian of a root problem is neither symmetric nor contractive in general: CG and
+# the Neumann series are not offered by name.
+_LINEAR_SOLVER_NAMES = ("auto", "dense", "gmres", "bicgstab", "normal_cg")
 
 
 def root(
@@ -58,7 +54,7 @@ def root(
     atol: float | None = None,
     max_steps: int = 256,
     bracket: tuple[Any, Any] | None = None,
-    linear_solver: str | Callable[..., Any] = "auto",
+    linear_solver: str | linear_solve.LinearSolver | Callable[..., Any] = "auto",
     throw: bool = True,
     return_info: bool = False,
 ) -> Any:
@@ -89,10 +85,12 @@ def root(
         bracket: `(lower, upper)` with `f(lower)` and `f(upper)` of opposite signs;
             required by (and only used by) `"bisection"`. May be traced.
         linear_solver: how systems with the Jacobian are solved, in Newton steps
-            and in the derivatives: a name from `implicitdiff.linear_solve`
-            (`"auto"`, `"dense"`, `"gmres"`, `"bicgstab"`, `"normal_cg"`) or any
-            transposable `solve(matvec, b)`, e.g. a `functools.partial` of one of
-            them with options.
+            and in the derivatives: a `implicitdiff.linear_solve.LinearSolver`,
+            e.g. `linear_solve.GMRES(rtol=1e-12)` (the derivatives prepare it once
+            at the root: `Dense()` factors the Jacobian once for forward and
+            reverse mode), a name as an alias of one with default options
+            (`"auto"`, `"dense"`, `"gmres"`, `"bicgstab"`, `"normal_cg"`), or any
+            transposable function `solve(matvec, b)`.
         throw: raise at run time when the solve fails (max steps, non-finite
             values, a bracket without a sign change). `throw=False` needs
             `return_info=True`: the status in the returned info is then the only
@@ -120,15 +118,14 @@ def root(
     if method not in _METHODS:
         raise ValueError(f"root: `method` must be one of {_METHODS}, got {method!r}")
     max_steps = static_int(name, "max_steps", max_steps, minimum=1)
-    static_bool(name, "throw", throw)
-    not_in_checked_shard_map(name)
-    static_bool(name, "return_info", return_info)
-    status_returned(name, throw, return_info)
+    solve_flags(name, throw, return_info)
     dtype = float_dtype(name, "x0", x0)
     returns_like(name, "f(x0, *args)", jax.eval_shape(f, x0, *args), "x0", x0)
     rtol = default_tolerance(dtype) if rtol is None else rtol
     atol = default_tolerance(dtype) if atol is None else atol
-    solve_linear = _linear_solver(linear_solver)
+    solve_linear = linear_solve.resolve(
+        linear_solver, "root: `linear_solver`", choices=_LINEAR_SOLVER_NAMES
+    )
 
     if method == "bisection":
         if bracket is None:
@@ -159,7 +156,7 @@ def root(
             rtol=rtol,
             atol=atol,
             max_steps=max_steps,
-            linear_solver=linear_solver,
+            linear_solver=solve_linear,
         )
 
     def g(x):
@@ -168,17 +165,6 @@ def root(
     x, info = custom_root(g, x0, forward, solve_linear, has_aux=True)
     x = report(x, info, throw=throw, name="root", max_steps=max_steps)
     return (x, info) if return_info else x
-
-
-def _linear_solver(linear_solver):
-    if callable(linear_solver):
-        return linear_solver
-    if linear_solver not in _LINEAR_SOLVERS:
-        raise ValueError(
-            f"root: `linear_solver` must be one of {_LINEAR_SOLVERS} or a linear solver "
-            f"`solve(matvec, b)` from implicitdiff.linear_solve, got {linear_solver!r}"
-        )
-    return getattr(linear_solve, linear_solver)
 
 
 # ---------------------------------------------------------------------------
@@ -288,10 +274,10 @@ def _globalised_loop(g_flat, flat0, state0, direction, update, rtol, atol, max_s
 def _newton(g, x0, *, rtol, atol, max_steps, linear_solver):
     """Newton's method, matrix-free: each step solves `J(x) dx = -f(x)` with `linear_solver`,
     then backtracks along `dx` (`_backtrack`)."""
-    if callable(linear_solver):
-        solve = linear_solver
-    else:
-        solve = functools.partial(getattr(linear_solve, linear_solver), throw=False)
+    solve = linear_solver
+    if dataclasses.is_dataclass(solve) and getattr(solve, "throw", False):
+        # A step's accuracy is judged by the iteration, not by the linear solve.
+        solve = dataclasses.replace(solve, throw=False)
     flat0, unravel, g_flat = _flat(g, x0)
 
     def direction(state, x, fx):

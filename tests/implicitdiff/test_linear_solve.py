@@ -1,4 +1,4 @@
-"""Tests for `implicitdiff.linear_solve` and `implicitdiff._errors.error_if`.
+"""Tests for `implicitdiff.linear_solve` and `implicitdiff.error_if`.
 
 Compiling JAX's Krylov solvers dominates the run time (GMRES alone takes over a second to
 compile on CPU), so the solves go through a few jitted functions that take the matrix as
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from implicitdiff import ImplicitDiffRuntimeError, error_if
 from implicitdiff import linear_solve as ls
-from implicitdiff._errors import ImplicitDiffRuntimeError, error_if
 
 # A failed run-time check reaches the caller as `jax.errors.JaxRuntimeError` (a
 # RuntimeError), or as ValueError when jit serves the call from its C++ fast path
@@ -528,11 +528,7 @@ def test_error_if_concrete_pred_raises_eagerly():
 
 
 def _examples():
-    from implicitdiff import _errors
-
-    objects = [ls, _errors.error_if] + [
-        getattr(ls, n) for n in ls.__all__ if callable(getattr(ls, n))
-    ]
+    objects = [ls, error_if] + [getattr(ls, n) for n in ls.__all__ if callable(getattr(ls, n))]
     for obj in objects:
         for block in re.findall(r"```python\n(.*?)```", obj.__doc__ or "", re.S):
             name = getattr(obj, "__name__", "module")

@@ -421,9 +421,19 @@ def test_nan_is_reported():
         jax.block_until_ready(fixed_point(lambda a, x: jnp.log(x) + a, -5.0, 1.0, max_steps=50))
 
 
-def test_custom_adjoint_solver(x64):
-    solve = functools.partial(linear_solve.gmres, rtol=1e-12)
-    np.testing.assert_allclose(jax.grad(lambda a: newton_sqrt(a, adjoint=solve))(2.0), D1(2.0))
+@pytest.mark.parametrize(
+    "solve",
+    [
+        functools.partial(linear_solve.gmres, rtol=1e-12),
+        linear_solve.GMRES(rtol=1e-12),
+        linear_solve.Dense(),
+    ],
+    ids=["partial", "GMRES", "Dense"],
+)
+def test_custom_adjoint_solver(x64, solve):
+    f = functools.partial(newton_sqrt, adjoint=solve)
+    np.testing.assert_allclose(jax.grad(f)(2.0), D1(2.0))
+    np.testing.assert_allclose(jax.hessian(f)(2.0), D2(2.0), rtol=1e-8)
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 # "optax.sgd": an optax transformation; on exp(x) - a x (Hessian a) it contracts for a < 6.6
 METHODS = {"lbfgs": "lbfgs", "newton": "newton", "optax.sgd": optax.sgd(0.3)}
-RUNTIME_ERRORS = (RuntimeError, ValueError)  # see implicitdiff._errors: eager, jit, fast path
+RUNTIME_ERRORS = (RuntimeError, ValueError)  # see implicitdiff.error_if: eager, jit, fast path
 
 
 def log_a(a, method="lbfgs", **kw):
@@ -319,7 +319,18 @@ def test_ridge_check_grads_second_order(x64, method):
 
 
 @pytest.mark.parametrize(
-    "linear_solver", ["auto", "dense", "cg", "gmres", "bicgstab", "cg(rtol=1e-12)"]
+    "linear_solver",
+    [
+        "auto",
+        "dense",
+        "cg",
+        "gmres",
+        "bicgstab",
+        "cg(rtol=1e-12)",
+        linear_solve.CG(rtol=1e-12),
+        linear_solve.Dense(symmetric=True),
+    ],
+    ids=str,
 )
 def test_linear_solvers_give_the_same_derivatives(x64, linear_solver):
     if linear_solver == "cg(rtol=1e-12)":

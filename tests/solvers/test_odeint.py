@@ -14,14 +14,17 @@ from jax.experimental.ode import odeint as jax_odeint
 
 from implicitdiff import check_grads
 from solvers import odeint
+from solvers.ode import methods as ode_methods
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 # ODEInfo.status codes (spec): 0 success, 1 mxstep exceeded, 2 non-finite, 4 dt underflow.
 SUCCESS, MAX_STEPS, NONFINITE, DT_UNDERFLOW = 0, 1, 2, 4
 
-ADAPTIVE = ["dopri5", "tsit5", "bosh3", "dopri8", "kvaerno5"]
-FIXED = ["rk4", "euler"]
+# Every registered method is tested: a new one is covered by registering it (with its
+# accuracy settings below when the defaults do not suit it).
+ADAPTIVE = [name for name, m in ode_methods.METHODS.items() if m.adaptive]
+FIXED = [name for name, m in ode_methods.METHODS.items() if not m.adaptive]
 METHODS = ADAPTIVE + FIXED
 ADJOINTS = ["backsolve", "checkpoint"]
 
@@ -29,11 +32,11 @@ ADJOINTS = ["backsolve", "checkpoint"]
 # tolerance against the closed form that this accuracy buys.
 METHOD_KW = {
     **{m: dict(rtol=1e-10, atol=1e-10) for m in ADAPTIVE},
+    **{m: dict(dt=1 / 64) for m in FIXED},
     "bosh3": dict(rtol=1e-9, atol=1e-9),  # third order: keep the step count modest
-    "rk4": dict(dt=1 / 64),
     "euler": dict(dt=1 / 1024),
 }
-METHOD_RTOL = {**{m: 1e-6 for m in ADAPTIVE}, "rk4": 1e-6, "euler": 2e-3}
+METHOD_RTOL = {**{m: 1e-6 for m in METHODS}, "euler": 2e-3}
 
 
 def _raises_at_run_time(fn, *args, match):

@@ -185,7 +185,7 @@ def test_outputs_summed_per_step_first_or_window_by_window(x64, monkeypatch):
     it starts (few numbers: the default here) or a few rows at a time at each step
     (forced by `_GROUPED_MAX = 0`). Both against forward mode, with output times
     bunched at the start (several per step) and spread at the end (steps with none)."""
-    import solvers._ode_checkpoint as sweep
+    import solvers.ode.adjoints.sweep as sweep
 
     ts = np.concatenate([np.linspace(0.0, 0.3, 12), [0.9, 1.7, 2.0]])
 

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from solvers import _ode_methods as ode_methods
 from solvers import odeint
+from solvers.ode import methods as ode_methods
 
 from .stiff_problems import PROBLEMS, load_references
 
@@ -230,7 +230,7 @@ def test_stiff_method_defaults_to_the_checkpointed_adjoint(x64):
     np.testing.assert_allclose(g, _relaxation_grad_exact(k), rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["dopri5", "kvaerno5"])
+@pytest.mark.parametrize("method", ["dopri5", pytest.param("kvaerno5", marks=pytest.mark.slow)])
 def test_backsolve_refuses_a_problem_unstable_backwards(x64, method):
     """Integrated backwards, y' = -k (y - cos t) grows like exp(k t): the state strays
     from the forward solution by 1e100 tolerances, and the gradient (0.5% off, for
@@ -288,51 +288,70 @@ def test_stiffly_accurate_step_ends_on_its_last_stage(x64):
     np.testing.assert_allclose(k_next, f(y1, h, p), rtol=1e-6, atol=1e-8)
 
 
-def _custom_method(monkeypatch, method):
-    monkeypatch.setitem(ode_methods.METHODS, method.name, method)
+@pytest.fixture
+def registry(monkeypatch):
+    """`register`, with the registry restored after the test."""
+    monkeypatch.setattr(ode_methods, "METHODS", dict(ode_methods.METHODS))
+    return ode_methods.register
 
 
-def test_esdirk_with_a_different_diagonal_per_stage(x64, monkeypatch):
+def test_esdirk_with_a_different_diagonal_per_stage(x64, registry):
     """A stiffly accurate ESDIRK pair of order 2(1) whose implicit stages have diagonals
     0.1 and 0.5: each stage's Newton iteration needs its own `I - h gamma_i J`. (With
     the first stage's matrix for both, the last stage's iteration diverges once
     `h |lambda|` is large: the solve takes about 7 times as many steps, and rejects
     one attempt in eight.)"""
-    method = ode_methods.Method(
-        name="esdirk-test",
+    method = ode_methods.ESDIRK(
+        tableau=ode_methods.ButcherTableau(
+            c=(0.0, 0.2, 1.0),
+            a=((), (0.1,), (0.5, 0.0)),
+            b=(0.5, 0.0, 0.5),
+            e=(0.5, -1.0, 0.5),
+            gamma=(0.0, 0.1, 0.5),
+        ),
         order=2,
-        c=(0.0, 0.2, 1.0),
-        a=((), (0.1,), (0.5, 0.0)),
-        b=(0.5, 0.0, 0.5),
-        e=(0.5, -1.0, 0.5),
-        gamma=(0.0, 0.1, 0.5),
+        name="esdirk-test",
     )
     assert method.stiffly_accurate
-    _custom_method(monkeypatch, method)
     k = 1000.0
     ys, info = odeint(
-        _relaxation, 0.0, jnp.asarray(RELAX_TS), k, method="esdirk-test", rtol=1e-4,
+        _relaxation, 0.0, jnp.asarray(RELAX_TS), k, method=method, rtol=1e-4,
         atol=1e-4, return_info=True,
     )  # fmt: skip
     np.testing.assert_allclose(ys, _relaxation_exact(k, RELAX_TS), atol=1e-5)
     assert int(info.status) == 0 and int(info.steps) < 300 and int(info.rejected) <= 5
+    registry(method)
     loss = functools.partial(
         _relaxation_loss, method="esdirk-test", rtol=1e-6, atol=1e-6, max_steps=1 << 14
     )
     np.testing.assert_allclose(jax.grad(loss)(k), _relaxation_grad_exact(k), rtol=1e-3)
 
 
-def test_explicit_pair_that_is_not_fsal(x64, monkeypatch):
-    """Heun-Euler 2(1): its last stage is not at the step's end, so `f` there is an
-    extra evaluation (not the last stage reused)."""
-    method = ode_methods.Method(
-        name="heun-euler", order=2, c=(0.0, 1.0), a=((), (1.0,)), b=(0.5, 0.5), e=(-0.5, 0.5)
+def test_a_new_explicit_tableau_is_one_definition_and_one_registration(x64, registry):
+    """Heun-Euler 2(1), defined here: a tableau, a method object, one `register` line.
+    Its last stage is not at the step's end (not first-same-as-last), so `f` there is
+    an extra evaluation."""
+    heun_euler = ode_methods.ExplicitRungeKutta(
+        tableau=ode_methods.ButcherTableau(
+            c=(0.0, 1.0), a=((), (1.0,)), b=(0.5, 0.5), e=(-0.5, 0.5)
+        ),
+        order=2,
+        name="heun-euler",
     )
-    assert not method.fsal and method.evals_per_step == 2
-    _custom_method(monkeypatch, method)
+    registry(heun_euler)
+    assert not heun_euler.fsal and heun_euler.evals_per_step == 2
     ts = jnp.linspace(0.0, 1.0, 3)
-    ys = odeint(lambda y, t: -2.0 * y, 1.0, ts, method="heun-euler", rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(ys, np.exp(-2.0 * np.asarray(ts)), rtol=1e-6)
+    by_name, info = odeint(
+        lambda y, t, k: -k * y, 1.0, ts, 2.0, method="heun-euler", rtol=1e-9, atol=1e-9,
+        return_info=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(by_name, np.exp(-2.0 * np.asarray(ts)), rtol=1e-6)
+    by_object = odeint(lambda y, t: -2.0 * y, 1.0, ts, method=heun_euler, rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(by_name, by_object)
+    # Every derivative mode comes with the method.
+    loss = lambda k: odeint(lambda y, t, k: -k * y, 1.0, ts, k, method="heun-euler")[-1]  # noqa: E731
+    for rule in (jax.grad, jax.jacfwd):
+        np.testing.assert_allclose(rule(loss)(2.0), -np.exp(-2.0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["dopri5", "tsit5", "bosh3", "dopri8", "rk4", "euler"])

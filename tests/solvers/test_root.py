@@ -16,7 +16,7 @@ from ._transforms import transform_table
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 METHODS = ["newton", "chord", "broyden", "bisection"]
-RUNTIME_ERRORS = (RuntimeError, ValueError)  # see implicitdiff._errors: eager, jit, fast path
+RUNTIME_ERRORS = (RuntimeError, ValueError)  # see implicitdiff.error_if: eager, jit, fast path
 
 
 def cube_root(a, method="newton", **kw):
@@ -259,7 +259,17 @@ def test_pytree_system_check_grads(x64):
 
 @pytest.mark.parametrize(
     "linear_solver",
-    ["auto", "dense", "gmres", "bicgstab", "normal_cg", "gmres(rtol=1e-12)"],
+    [
+        "auto",
+        "dense",
+        "gmres",
+        "bicgstab",
+        "normal_cg",
+        "gmres(rtol=1e-12)",
+        linear_solve.Dense(),
+        linear_solve.GMRES(rtol=1e-12),
+    ],
+    ids=str,
 )
 def test_linear_solvers_give_the_same_derivatives(x64, linear_solver):
     if linear_solver == "gmres(rtol=1e-12)":
@@ -274,6 +284,58 @@ def test_linear_solvers_give_the_same_derivatives(x64, linear_solver):
     rev, fwd = jax.jit(lambda b: (jax.jacrev(solve)(b), jax.jacfwd(solve)(b)))(b)
     np.testing.assert_allclose(rev, jinv, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(fwd, jinv, rtol=1e-8, atol=1e-10)
+
+
+def _cubic_hessian(m, b, c):
+    """The Hessian in `b` of `c . x(b)` for `_cubic`: differentiating `J dx = db` twice,
+    `x_jk = -J^-1 (0.6 x * X_j * X_k)` with `X = J^-1`, so `H = -0.6 X^T diag(w x) X`
+    with `w = J^-T c`."""
+    x = np.asarray(root(_cubic, jnp.zeros(3), m, b, rtol=1e-13, atol=1e-13))
+    jinv = np.linalg.inv(np.asarray(m) + 0.3 * np.diag(x**2))
+    w = jinv.T @ np.asarray(c)
+    return jinv, -0.6 * jinv.T @ np.diag(w * x) @ jinv
+
+
+@pytest.mark.parametrize(
+    "linear_solver", [linear_solve.Dense(), linear_solve.GMRES(rtol=1e-12)], ids=repr
+)
+def test_higher_order_derivatives_with_solver_objects(x64, linear_solver):
+    """Derivatives of every order reuse the solver's state; closed forms of `_cubic`."""
+    m, b = _matrix_and_vector()
+    c, d = jnp.array([1.0, -2.0, 0.5]), jnp.array([0.3, 0.1, -0.2])
+
+    def phi(b):
+        x = root(_cubic, jnp.zeros(3), m, b, rtol=1e-13, atol=1e-13, linear_solver=linear_solver)
+        return c @ x
+
+    along = lambda t: phi(b + t * d)  # noqa: E731
+    got = jax.jit(
+        lambda b: {
+            "grad": jax.grad(phi)(b),
+            "hessian": jax.hessian(phi)(b),
+            "jacrev(jacfwd)": jax.jacrev(jax.jacfwd(phi))(b),
+            "grad(grad)": jax.grad(jax.grad(along))(0.0),
+            "vmap(grad)": jax.vmap(jax.grad(phi))(jnp.stack([b, b])),
+        }
+    )(b)
+    jinv, hess = _cubic_hessian(m, b, c)
+    want = {
+        "grad": jinv.T @ np.asarray(c),
+        "hessian": hess,
+        "jacrev(jacfwd)": hess,
+        "grad(grad)": np.asarray(d) @ hess @ np.asarray(d),
+        "vmap(grad)": np.stack([jinv.T @ np.asarray(c)] * 2),
+    }
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-8, atol=1e-12, err_msg=name)
+
+
+def test_linear_solver_names_objects_and_functions():
+    m, b = _matrix_and_vector()
+    with pytest.raises(ValueError, match=r"`linear_solver` must be one of .*'normal_cg'\)"):
+        root(_cubic, jnp.zeros(3), m, b, linear_solver="neumann")
+    with pytest.raises(ValueError, match="LinearSolver"):
+        root(_cubic, jnp.zeros(3), m, b, linear_solver=3)
 
 
 # ---------------------------------------------------------------------------

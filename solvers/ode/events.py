@@ -20,16 +20,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from implicitdiff.internal import closure_convert
 from jax.flatten_util import ravel_pytree
 
 from implicitdiff import custom_root, error_if
-from implicitdiff._jax_compat import closure_convert
 
-from ._checks import not_in_checked_shard_map, static_bool, status_returned
-from ._info import MAX_STEPS, SUCCESS
-from ._ode_loop import EVENT, LoopConfig, integrate
-from ._ode_methods import METHODS
-from .odeint import Adjoint, Method, ODEInfo, _positive, odeint
+from .._checks import not_in_checked_shard_map, static_bool, status_returned
+from .adjoints import AbstractAdjoint
+from .info import EVENT, MAX_STEPS, SUCCESS, ODEInfo
+from .loop import LoopConfig
+from .methods import AbstractMethod, resolve_method
+from .odeint import odeint, positive
+from .outputs import integrate
 
 __all__ = ["odeint_event"]
 
@@ -47,9 +49,9 @@ def odeint_event(
     atol: float = 1.4e-8,
     mxstep: float = jnp.inf,
     hmax: float = jnp.inf,
-    method: Method = "dopri5",
+    method: str | AbstractMethod = "dopri5",
     dt: float | None = None,
-    adjoint: Adjoint | None = None,
+    adjoint: str | AbstractAdjoint | None = None,
     throw: bool = True,
     return_info: bool = False,
 ) -> Any:
@@ -105,9 +107,7 @@ def odeint_event(
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
     status_returned(name, throw, return_info)
-    if method not in METHODS:
-        raise ValueError(f"{name}: `method` must be one of {tuple(METHODS)}, got {method!r}")
-    m = METHODS[method]
+    m = resolve_method(name, method)
     y_flat, unravel = ravel_pytree(y0)
     tdt = jnp.finfo(y_flat.dtype).dtype
     t0 = jnp.asarray(t0, tdt)
@@ -128,22 +128,22 @@ def odeint_event(
 
     loop = LoopConfig(
         method=m,
-        rtol=_positive(name, "rtol", rtol),
-        atol=_positive(name, "atol", atol),
-        mxstep=_positive(name, "mxstep", mxstep),
-        hmax=_positive(name, "hmax", hmax),
-        dt=None if dt is None else _positive(name, "dt", dt),
+        rtol=positive(name, "rtol", rtol),
+        atol=positive(name, "atol", atol),
+        mxstep=positive(name, "mxstep", mxstep),
+        hmax=positive(name, "hmax", hmax),
+        dt=None if dt is None else positive(name, "dt", dt),
         event=g_flat,
     )
     if not m.adaptive and dt is None:
         raise ValueError(f"{name}: method={method!r} takes fixed steps: pass `dt=`")
     params = (fc, gc, a_sg)
-    _, stats, _ = integrate(field, y_sg, jnp.stack([t0_sg, tmax_sg]), params, loop)
-    found = stats["status"] == EVENT
-    t_guess = _refine(m, field, g_flat, params, stats, loop)
+    search = integrate(field, y_sg, jnp.stack([t0_sg, tmax_sg]), params, loop)
+    stats = search.info
+    found = stats.status == EVENT
+    t_guess = _refine(m, field, g_flat, params, search.final, loop)
     t_guess = jnp.where(found, t_guess, tmax_sg)
-    status = jnp.where(found, SUCCESS, jnp.where(stats["status"] == SUCCESS, MAX_STEPS,
-                                                 stats["status"]))  # fmt: skip
+    status = jnp.where(found, SUCCESS, jnp.where(stats.status == SUCCESS, MAX_STEPS, stats.status))
     if throw:
         t_guess = error_if(
             t_guess,
@@ -152,7 +152,7 @@ def odeint_event(
             "1: t_max reached without an event, other codes as in odeint) at t = {t:.6g}. "
             "Raise `t_max`, check the sign of `event` at the start, or pass throw=False "
             "with return_info=True.",
-            values={"status": status, "t": stats["t_final"]},
+            values={"status": status, "t": stats.t_final},
         )
 
     def residual(tau):
@@ -173,9 +173,9 @@ def odeint_event(
     y_event = jax.tree_util.tree_map(lambda v: v[-1], ys)
     if return_info:
         info = ODEInfo(
-            steps=stats["steps"],
-            rejected=stats["rejected"],
-            num_fevals=stats["num_fevals"],
+            steps=stats.steps,
+            rejected=stats.rejected,
+            num_fevals=stats.num_fevals,
             t_final=jax.lax.stop_gradient(t_event),
             status=status.astype(jnp.int32),
         )
@@ -183,10 +183,10 @@ def odeint_event(
     return t_event, y_event
 
 
-def _refine(method, field, g_flat, params, stats, loop):
+def _refine(method, field, g_flat, params, final, loop):
     """The event time inside the step that crossed, by bisection on its length (each
     trial length re-takes the step from the last point before the crossing)."""
-    y, t, k, h = stats["y"], stats["t_final"], stats["k"], stats["h"]
+    y, t, k, h = final.y, final.t, final.k, final.h
     side = jnp.sign(g_flat(y, t, params))
 
     def g_after(s):

@@ -11,7 +11,7 @@ its ends:
 - The others (Bosh3, Kvaerno5, RK4, Euler) use the cubic Hermite interpolant that
   matches the values and derivatives at both ends, `O(h^4)` per step.
 
-Both are defined once, in `_ode_methods.output_weights`; `odeint(interpolate=True)`
+Both are defined once, in `solvers.ode.interpolation`; `odeint(interpolate=True)`
 evaluates the same polynomials inside its loop.
 
 The coefficients are ordinary differentiable functions of the kept states and the
@@ -30,7 +30,8 @@ from jaxtyping import Array, Float, Int
 
 from implicitdiff import error_if
 
-from ._ode_methods import Method, explicit_stages, step_coefficients
+from .interpolation import step_coefficients
+from .methods import AbstractMethod
 
 __all__ = ["ODESolution", "step_polynomials"]
 
@@ -120,13 +121,13 @@ class ODESolution(eqx.Module):
         return jax.tree_util.tree_map(leaf, self.coeffs)
 
 
-def step_polynomials(method: Method, f, ys, ts, params):
+def step_polynomials(method: AbstractMethod, f, ys, ts, params):
     """The coefficients of each step's polynomial in `theta` (lowest power first).
 
     `f(y, t, params)` is the flat vector field, `ys` the states at the step times `ts`
     (flat, one row per node). Returns an array `(steps, powers, n)` for the steps
     between consecutive nodes: the same interpolant as `odeint(interpolate=True)`
-    (`_ode_methods.step_coefficients`), with the stages recomputed from the nodes.
+    (`interpolation.step_coefficients`), with the stages recomputed from the nodes.
     """
 
     def one(y, y1, t, t1):
@@ -137,7 +138,7 @@ def step_polynomials(method: Method, f, ys, ts, params):
             ks = [k1] + [jnp.zeros_like(k1)] * (method.stages - 1)
             k_next = f(y1, t1, params)
         else:
-            ks = explicit_stages(method, f, y, k1, t, h, params)
+            ks = method.stages_of(f, y, k1, t, h, params)
             k_next = ks[-1]
         return step_coefficients(method, h, y, y1, k_next, ks)
 

@@ -1,6 +1,6 @@
 """The backward sweep of `odeint(adjoint="checkpoint")`: the discrete adjoint.
 
-The forward pass (`_ode_loop.integrate` with `record`) keeps each accepted step's start
+The forward pass (`integrate` with `record`) keeps each accepted step's start
 time and size, the state every `every = sqrt(max_steps)` steps, and the starts of the
 latest `every` steps with `f` there. The sweep walks the segments of `every` steps last
 first: it recomputes a segment's states from its checkpoint (the last segment's were
@@ -13,7 +13,7 @@ run to the batch's largest step count with the steps past an element's own count
 masked. One solve is a batch of one (`CheckpointSweep`); `vmap` of it is one batched
 sweep (`_BatchedSweep`), not a sweep mapped per element. The gradient of a `vmap`ped
 solve (a training batch) calls the batched sweep directly
-(`_ODESolve.vjp_bwd_batched`) with the parameters the batch shares left shared: each
+(`CheckpointAdjoint.backward_batched`) with the parameters the batch shares left shared: each
 step's `vjp` is then taken over the whole batch at once, so their cotangent is summed
 over the batch inside each matrix product and never held per element (for a
 `(64, 64)` weight and a batch of 32, that would be a `(32, 64, 64)` array per step).
@@ -25,12 +25,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from implicitdiff.internal import any_over_batch, max_over_batch
 
 from implicitdiff import Primitive
-from implicitdiff._errors import any_over_batch, max_over_batch
 
-from ._ode_loop import LoopConfig, output_window, stepper
-from ._ode_methods import (
+from ..interpolation import (
     BASIS_K_NEXT,
     BASIS_STAGES,
     BASIS_Y,
@@ -39,6 +38,8 @@ from ._ode_methods import (
     output_moments,
     pull_back_outputs,
 )
+from ..loop import LoopConfig, stepper
+from ..outputs import output_window
 
 __all__ = ["CheckpointSweep", "batch_first", "batched_sweep", "shared_or_first"]
 
@@ -83,7 +84,7 @@ class CheckpointSweep(_Sweep):
 
     Inputs `(y_cp, g, pd, pn, record)` with `y_cp = (checkpoints, f at them, latest
     states, f at them)` and `record = (t, h, out_step, out_theta, steps)` (see
-    `_ode_loop.Record`).
+    `solvers.ode.state.Record`).
     Params: `f` (the flat field `f(y, t, pd, pn)`), `loop` (the forward solve's
     `LoopConfig`), `every` (steps between checkpoints).
     """

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 
 from implicitdiff import error_if
 
-from ._checks import not_in_checked_shard_map, static_bool, status_returned
-from ._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, STATUS_NAMES, SUCCESS, max_norm
-from .odeint import Method, _positive, odeint
-from .root import root
+from .._checks import not_in_checked_shard_map, static_bool, status_returned
+from .._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, STATUS_NAMES, SUCCESS, max_norm
+from ..root import root
+from .methods import AbstractMethod
+from .odeint import odeint, positive
 
 __all__ = ["steady_state"]
 
@@ -32,7 +33,7 @@ def steady_state(
     y0: Any,
     *args: Any,
     t0: float = 0.0,
-    method: Method = "dopri5",
+    method: str | AbstractMethod = "dopri5",
     rtol: float = 1e-6,
     atol: float = 1e-6,
     settle: float = 1e-4,
@@ -83,8 +84,8 @@ def steady_state(
         ```
     """
     name = "steady_state"
-    settle = _positive(name, "settle", settle)
-    max_time = _positive(name, "max_time", max_time)
+    settle = positive(name, "settle", settle)
+    max_time = positive(name, "max_time", max_time)
     static_bool(name, "throw", throw)
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)

@@ -1,0 +1,169 @@
+"""`Dense`: materialise the operator and factor it once (LU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsp_linalg
+from jax.flatten_util import ravel_pytree
+
+from .._errors import error_if
+from .._trees import all_finite
+from ..linear_system import custom_linear_solve
+from ._base import LinearSolver, MatVec, PyTree, as_operator, transposed
+from ._checks import as_arrays, check_throw
+
+__all__ = ["Dense", "DenseState", "dense", "materialise"]
+
+
+class DenseState(NamedTuple):
+    """The state of `Dense`: the operator, and the LU factors of its matrix
+    (`jax.scipy.linalg.lu_factor`).
+
+    The solves use the factors; their derivatives with respect to the operator come from
+    the operator itself (`dx = -A^{-1} dA x`, one more solve with the same factors), so
+    differentiating never differentiates the factorisation.
+    """
+
+    operator: jax.tree_util.Partial
+    lu: jax.Array
+    pivots: jax.Array
+
+
+def materialise(matvec: MatVec, b_like: PyTree) -> jax.Array:
+    """The matrix of `matvec` on the flattened unknowns (`ravel_pytree` order): column `i`
+    is `matvec` applied to the `i`-th unit vector, all columns in one `jax.vmap`.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from implicitdiff import internal
+
+        print(internal.materialise(lambda v: 2 * v, jnp.zeros(2)))  # [[2. 0.] [0. 2.]]
+        ```
+    """
+    flat, unravel = ravel_pytree(as_arrays(b_like))
+
+    def flat_matvec(v):
+        return ravel_pytree(matvec(unravel(v)))[0]
+
+    eye = jnp.eye(flat.size, dtype=flat.dtype)
+    return jax.vmap(flat_matvec, out_axes=1)(eye)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense(LinearSolver):
+    """Solve by building the matrix and factoring it once (LU with partial pivoting).
+
+    `init` materialises the operator by applying `matvec` (vectorised with `jax.vmap`)
+    to the columns of the identity, on the flattened unknowns
+    (`jax.flatten_util.ravel_pytree`), and factors it; `solve` and `transpose_solve`
+    are two triangular solves each, with the same factors, and so are their derivatives
+    (the factorisation itself is never differentiated). Cost: `n` matvecs, `O(n^2)`
+    memory and `O(n^3)` time to factor for `n` unknowns, `O(n^2)` per solve, so use it
+    for small systems (up to a few hundred or thousand unknowns). It is exact up to
+    rounding whatever the symmetry or conditioning.
+
+    Arguments:
+        symmetric: the operator is symmetric; then the one-shot call differentiates in
+            reverse mode with `matvec` instead of its transpose.
+        throw: if True (default), raise at run time when the solution is not finite (a
+            singular matrix). If False, return it as is.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from implicitdiff import linear_solve
+
+        A = jnp.array([[2.0, 1.0], [0.0, 3.0]])
+        solver = linear_solve.Dense()
+        x = solver(lambda v: A @ v, jnp.array([3.0, 3.0]))  # [1., 1.]
+        state = solver.init(lambda v: A @ v, jnp.zeros(2))
+        y = solver.transpose_solve(state, jnp.array([2.0, 4.0]))  # [1., 1.]
+        ```
+    """
+
+    name: ClassVar[str] = "dense"
+    symmetric: bool = False
+    throw: bool = True
+
+    def __post_init__(self):
+        check_throw(self.throw, self.name)
+
+    def init(self, matvec: MatVec, b_like: PyTree) -> DenseState:
+        operator = as_operator(matvec, b_like)
+        return DenseState(operator, *jsp_linalg.lu_factor(materialise(operator, b_like)))
+
+    def solve(self, state: DenseState, b: PyTree) -> PyTree:
+        return custom_linear_solve(
+            state.operator,
+            b,
+            functools.partial(self._lu_solve, state, 0),
+            transpose_solve=functools.partial(self._lu_solve, state, 1),
+        )
+
+    def transpose_solve(self, state: DenseState, b: PyTree) -> PyTree:
+        return custom_linear_solve(
+            transposed(state.operator, b),
+            b,
+            functools.partial(self._lu_solve, state, 1),
+            transpose_solve=functools.partial(self._lu_solve, state, 0),
+        )
+
+    def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
+        lu_and_pivots = jsp_linalg.lu_factor(materialise(matvec, b))
+        return self._lu_solve(DenseState(None, *lu_and_pivots), 0, matvec, b)
+
+    def _lu_solve(self, state: DenseState, trans: int, matvec: MatVec, b: PyTree) -> PyTree:
+        """`A^{-1} b` (`trans=0`) or `A^{-T} b` (`trans=1`) with the factors of `A`
+        (`matvec` is the operator being inverted; the factors already stand for it)."""
+        del matvec
+        flat, unravel = ravel_pytree(b)
+        if flat.size == 0:
+            return b
+        x = unravel(jsp_linalg.lu_solve((state.lu, state.pivots), flat, trans=trans))
+        if self.throw:
+            x = error_if(x, jnp.logical_not(all_finite(x)), _SINGULAR)
+        return x
+
+
+_SINGULAR = (
+    "implicitdiff.linear_solve.dense: the solution is not finite (NaN or inf), so the "
+    "matrix is singular (or b is not finite). To fix it: make the system non-singular "
+    "(e.g. add a small multiple of the identity: matvec(x) + eps * x), check the "
+    "inputs for NaN, or use `normal_cg`/`gmres` for a least-squares-like answer. "
+    "Pass `throw=False` to skip this check."
+)
+
+
+def dense(matvec: MatVec, b: PyTree, *, symmetric: bool = False, throw: bool = True) -> Any:
+    """Solve `matvec(x) = b` by building the matrix and using an LU factorisation.
+
+    The one-shot form of `Dense` (see there for the method and its cost):
+    `dense(matvec, b, **options)` is `Dense(**options)(matvec, b)`.
+
+    Arguments:
+        matvec: linear function from pytrees shaped like `b` to pytrees shaped like `b`.
+        b: right-hand side, a pytree of real floating-point arrays.
+        symmetric: set to True if the operator is symmetric; then reverse-mode
+            differentiation reuses `matvec` instead of transposing it.
+        throw: if True (default), raise at run time when the solution is not finite (a
+            singular matrix). If False, return it as is.
+
+    Returns:
+        `x`, a pytree with the structure of `b`.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from implicitdiff import linear_solve
+
+        A = jnp.array([[2.0, 1.0], [0.0, 3.0]])
+        x = linear_solve.dense(lambda v: A @ v, jnp.array([3.0, 3.0]))  # [1., 1.]
+        ```
+    """
+    return Dense(symmetric=bool(symmetric), throw=throw)(matvec, b)

@@ -1,0 +1,63 @@
+"""Step-size control of the adaptive methods: the error norm, the first step size and
+the next one.
+
+A step is accepted when its embedded error estimate, in the weighted RMS norm
+`sqrt(mean((err / (atol + rtol * max(|y|, |y_new|)))**2))`, is at most 1. The next step
+size is `h * clip(0.9 * ratio**(-1/order), 0.2, 10)` (never shrinking after an
+accepted step, never growing after a rejected one), capped at `hmax`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = ["SAFETY", "GROW_MAX", "SHRINK_MIN", "rms_ratio", "initial_step", "next_size"]
+
+SAFETY, GROW_MAX, SHRINK_MIN = 0.9, 10.0, 0.2
+
+
+def rms_ratio(err, y, y1, rtol, atol, size):
+    """The error estimate in units of the tolerance (weighted RMS over the first
+    `size` entries, or all when `size` is None)."""
+    if size is not None:
+        err, y, y1 = err[:size], y[:size], y1[:size]
+    scale = atol + rtol * jnp.maximum(jnp.abs(y), jnp.abs(y1))
+    return jnp.sqrt(jnp.mean(jnp.square(jnp.abs(err) / scale)))
+
+
+def initial_step(method, f, y0, k0, t0, params, rtol, atol, size):
+    """A first step size from the norms of `y0`, `f(y0)` and a trial Euler step
+    (Hairer, Norsett and Wanner, Solving ODEs I, II.4).
+
+    The exponent is `1 / method.order`, the order of the local error estimate (the
+    error of a 5(4) pair with local extrapolation is `O(h^5)`), as in Hairer's own
+    `dopri5`/`dop853` codes, diffrax, SciPy and `jax.experimental.ode`."""
+    yv, kv = (y0, k0) if size is None else (y0[:size], k0[:size])
+    scale = atol + jnp.abs(yv) * rtol
+    d0 = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(yv) / scale)))
+    d1 = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(kv) / scale)))
+    h0 = jnp.where((d0 < 1e-5) | (d1 < 1e-5), 1e-6, 0.01 * d0 / d1)
+    y1 = y0 + h0.astype(y0.dtype) * k0
+    k1 = f(y1, t0 + h0, params)
+    k1v = k1 if size is None else k1[:size]
+    d2 = jnp.sqrt(jnp.mean(jnp.square(jnp.abs(k1v - kv) / scale))) / h0
+    big = jnp.maximum(d1, d2)
+    h1 = jnp.where(
+        big <= 1e-15,
+        jnp.maximum(1e-6, h0 * 1e-3),
+        (0.01 / big) ** (1.0 / method.order),
+    )
+    return jnp.minimum(100 * h0, h1)
+
+
+def next_size(h_step, ratio, good, accept, order):
+    """The next step size after an attempt of size `h_step` whose error is `ratio`
+    (`good`: the step computed finite values and its stage solves converged)."""
+    safe_ratio = jnp.where(good, ratio, jnp.inf)
+    grow = jnp.where(
+        safe_ratio == 0,
+        GROW_MAX,
+        jnp.clip(SAFETY * safe_ratio ** (-1.0 / order), SHRINK_MIN, GROW_MAX),
+    )
+    grow = jnp.where(accept, jnp.maximum(grow, 1.0), jnp.minimum(grow, 1.0))
+    return h_step * grow

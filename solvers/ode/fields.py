@@ -1,0 +1,88 @@
+"""The vector fields `odeint` integrates: the user's on the flat state, the pair of
+state and tangent (forward sensitivities), and the adjoint system integrated backwards.
+
+Each is called `field(y, t, pd, pn)` on one flat vector, with `pd` the differentiated
+and `pn` the other leaves of `func`'s arguments and closed-over values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+__all__ = ["FlatField", "TangentField", "AdjointField"]
+
+
+class FlatField:
+    """`func` on the flat state: `f(y, t, pd, pn)`, with `pd`/`pn` the differentiable
+    and other leaves of `(consts, args)`."""
+
+    def __init__(self, f_conv, unravel, ptree, is_diff, dtype):
+        self.f_conv, self.unravel, self.ptree = f_conv, unravel, ptree
+        self.is_diff, self.dtype = is_diff, dtype
+
+    def __call__(self, y, t, pd, pn):
+        it_d, it_n = iter(pd), iter(pn)
+        leaves = [next(it_d) if d else next(it_n) for d in self.is_diff]
+        consts, args = jax.tree_util.tree_unflatten(self.ptree, leaves)
+        out = self.f_conv(consts, self.unravel(y), t, *args)
+        return ravel_pytree(out)[0].astype(self.dtype)
+
+
+class TangentField:
+    """`(y, v)' = (f(y), J v + (df/dpd) dpd)` for forward sensitivities; `pd` holds the
+    parameters followed by their tangents.
+
+    A step of the pair is the derivative of the primal step (`step`), not the method
+    applied to this larger system: for an explicit method the two are the same, but
+    an implicit method would solve the pair's stage equations by its Newton
+    iteration, whose tangent half converges only as far as the iteration runs. The
+    derivative of the step solves each stage's tangent equation exactly (the implicit
+    function theorem on the stage equation), so forward mode gives the derivative of
+    the computed solution, the same as the checkpointed adjoint."""
+
+    def __init__(self, f, n, n_pd):
+        self.f, self.n, self.n_pd = f, n, n_pd
+
+    def __call__(self, z, t, pd, pn):
+        n, k = self.n, self.n_pd
+        y, v = z[:n], z[n:]
+        p, dp = pd[:k], pd[k:]
+        ydot, vdot = jax.jvp(lambda y, p: self.f(y, t, p, pn), (y, p), (v, dp))
+        return jnp.concatenate([ydot, vdot])
+
+    def step(self, method, z, kz, t, h, params, tol):
+        n, k = self.n, self.n_pd
+        pd, pn = params
+        f = self.f
+        base_tol = dataclasses.replace(tol, size=None)
+
+        def primal(y, k1, p):
+            field = lambda y, t, p: f(y, t, *p, pn)  # noqa: E731
+            return method.step_with_stages(field, y, k1, t, h, (p,), tol=base_tol)
+
+        (y1, err, k_next, ok, ks), (v1, _, dk_next, _, dks) = jax.jvp(
+            primal, (z[:n], kz[:n], tuple(pd[:k])), (z[n:], kz[n:], tuple(pd[k:]))
+        )
+        join = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
+        err = join(err, jnp.zeros_like(err))
+        return join(y1, v1), err, join(k_next, dk_next), ok, [join(a, b) for a, b in zip(ks, dks)]
+
+
+class AdjointField:
+    """The backward-in-time adjoint system in `s = -t`: `(y, a, p_bar)' = (-f,
+    J^T a, (df/dpd)^T a)`, as one flat vector."""
+
+    def __init__(self, f, n):
+        self.f, self.n = f, n
+
+    def __call__(self, z, s, pd, pn):
+        n = self.n
+        y, a = z[:n], z[n : 2 * n]
+        ydot, pullback = jax.vjp(lambda y, p: self.f(y, -s, p, pn), y, pd)
+        a_y, a_p = pullback(a)
+        p_flat = ravel_pytree(a_p)[0] if pd else jnp.zeros((0,), z.dtype)
+        return jnp.concatenate([-ydot, a_y, p_flat.astype(z.dtype)])

@@ -1,0 +1,41 @@
+"""`ODEInfo`: what a solve did; and the status codes it reports."""
+
+from __future__ import annotations
+
+import equinox as eqx
+from jaxtyping import Array, Bool, Float, Int
+
+from .._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS
+
+__all__ = ["ODEInfo", "SUCCESS", "MAX_STEPS", "NONFINITE", "DT_UNDERFLOW", "EVENT"]
+
+#: Internal status: the loop stopped before a step across an event (`odeint_event`).
+EVENT = -1
+
+
+class ODEInfo(eqx.Module):
+    """What an `odeint` solve did (a pytree; one entry per element under `vmap`).
+
+    Attributes:
+        steps: accepted steps.
+        rejected: rejected step attempts.
+        num_fevals: evaluations of `func`: at `t[0]`, for the first step size, and by
+            every step attempt (an implicit method also spends evaluations in its
+            Newton iterations and Jacobians, not counted here).
+        t_final: the time reached (`t[-1]` on success).
+        status: `SUCCESS` (0), `MAX_STEPS` (1: `mxstep` attempts in one output
+            interval, or more than `max_steps` steps recorded for the checkpointed
+            adjoint or kept for dense output), `NONFINITE` (2) or `DT_UNDERFLOW` (4:
+            the step size fell below the resolution of `t`).
+    """
+
+    steps: Int[Array, ...]
+    rejected: Int[Array, ...]
+    num_fevals: Int[Array, ...]
+    t_final: Float[Array, ...]
+    status: Int[Array, ...]
+
+    @property
+    def converged(self) -> Bool[Array, ...]:
+        """True where the solve reached the last output time."""
+        return self.status == SUCCESS

@@ -1,0 +1,248 @@
+"""The stepping loop of `odeint`: one step attempt at a time, failure, recording.
+
+A `lax.while_loop` tries one step at a time from `(t, y)` (`attempt`). By default each
+output time `ts[i]` is a step end: a step that would pass it is shortened to land on it
+exactly. With `interpolate=True` the steps go straight to `ts[-1]` and every output
+inside an accepted step is the step's interpolant; with `dense`, every accepted step is
+an output row. The four ways of producing the outputs are in `solvers.ode.outputs`; the
+step-size control in `solvers.ode.controller`.
+
+Derivatives never go through the controller: the step sizes, the acceptance decisions
+and the output times enter as constants (`stop_gradient`), so differentiating the loop
+itself gives the derivative of the discrete solution with the accepted steps held
+fixed.
+
+The loop stops early with a status when a step fails for good: `mxstep` attempts
+within one output interval (`MAX_STEPS`), a non-finite state (`NONFINITE`), or a step
+size below the resolution of `t` (`DT_UNDERFLOW`, typically a stiff problem given to
+an explicit method). The rows of `ys` not reached stay NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from implicitdiff.internal import any_over_batch
+
+from . import controller, progress
+from .info import DT_UNDERFLOW, EVENT, MAX_STEPS, NONFINITE, SUCCESS
+from .methods import AbstractMethod, StageTolerance
+from .state import RecordBuffers, StepState
+
+__all__ = ["LoopConfig", "Taken", "attempt", "checkpoint_every", "stepper", "while_any"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static options of one integration (hashable)."""
+
+    method: AbstractMethod
+    rtol: float
+    atol: float
+    mxstep: float  # attempts per output interval (may be inf)
+    hmax: float
+    dt: float | None  # fixed step (fixed-step methods)
+    err_size: int | None = None  # measure the error on the first `err_size` entries only
+    event: Any = None  # g(y, t, params): stop before the first step across a zero of g
+    record: int = 0  # >0: record up to this many accepted steps (checkpointed adjoint)
+    interpolate: bool = False  # outputs from the step interpolant, not steps onto them
+    dense: int = 0  # >0: output every accepted step, up to this many (dense output)
+    progress: bool = False
+
+    @property
+    def every(self) -> int:
+        return checkpoint_every(self.record)
+
+    @property
+    def stage_tol(self) -> StageTolerance:
+        """The accuracy of an implicit method's stage solves: the error control's."""
+        return StageTolerance(rtol=self.rtol, atol=self.atol, size=self.err_size)
+
+
+def checkpoint_every(record: int) -> int:
+    """Accepted steps between two checkpoints of the state when recording `record`
+    steps: `sqrt(record)`, so both the checkpoints and one segment hold that many."""
+    return max(1, math.isqrt(max(record, 1)))
+
+
+def stepper(field, method: AbstractMethod):
+    """One step of `method` on `field` (called `field(y, t, *params)`):
+    `step(y, k1, t, h, params, tol) -> (y1, y_error, k1_next, ok, stages)`.
+
+    A field may define its own `step(method, y, k1, t, h, params, tol)`: the forward
+    sensitivities' field steps as the derivative of the step it differentiates."""
+    own = getattr(field, "step", None)
+    if own is not None:
+        return lambda y, k1, t, h, params, tol: own(method, y, k1, t, h, params, tol)
+
+    def f(y, t, params):
+        return field(y, t, *params)
+
+    def step(y, k1, t, h, params, tol):
+        return method.step_with_stages(f, y, k1, t, h, params, tol=tol)
+
+    return step
+
+
+def while_any(cond, body, carry):
+    """`lax.while_loop` whose predicate is not batched under `vmap`: the loop runs while
+    any element's `cond` holds, and `body` leaves the finished elements unchanged.
+
+    The usual batching of a loop with a batched predicate selects between the old and
+    the new carry for every element at every iteration, a full pass over each buffer
+    (the recorded steps of the checkpointed adjoint are `max_steps` long); here a
+    finished element's writes go to spare slots instead.
+    """
+    return jax.lax.while_loop(lambda c: any_over_batch(cond(c)), body, carry)
+
+
+class Taken(eqx.Module):
+    """A step attempt, for the outputs inside it: its start, size, end, carried
+    derivatives and stages, whether it was accepted and whether the element was live."""
+
+    t: Any
+    h: Any
+    y: Any
+    y1: Any
+    k_next: Any
+    ks: list
+    accept: Any
+    live: Any
+
+
+def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
+    """One step attempt towards `target` (`span`: the solve's first and last times,
+    for the progress output): the new `StepState` and `RecordBuffers` (or `None`), and
+    the attempt itself (`Taken`)."""
+    method = cfg.method
+    tdt = s.t.dtype
+    eps = float(jnp.finfo(tdt).eps)
+    t, y, k, h = s.t, s.y, s.k, s.h
+    # The loops run while any element of a vmap batch is live (an unbatched predicate,
+    # `while_any`), so an element that is done must not change here.
+    live = (t < target) & (s.status == SUCCESS)
+    to_end = target - t
+    # Stretch a step by up to 1% (adaptive) rather than leave a sliver before an output.
+    last = to_end <= h * (1.01 if method.adaptive else 1 + 64 * eps)
+    h_step = jnp.where(last, to_end, h)
+    y1, err, k1, ok, ks = step(y, k, t, h_step.astype(tdt), params, cfg.stage_tol)
+    t1 = jnp.where(last, target, t + h_step)
+    finite = jnp.all(jnp.isfinite(y1)) & jnp.all(jnp.isfinite(k1))
+    if method.adaptive:
+        ratio = jax.lax.stop_gradient(
+            controller.rms_ratio(err, y, y1, cfg.rtol, cfg.atol, cfg.err_size)
+        )
+        good = ok & finite & jnp.isfinite(ratio)
+        accept = good & (ratio <= 1.0)
+        h_new = controller.next_size(h_step, ratio, good, accept, method.order)
+        # A step shortened to hit an output says little about the step size.
+        h_new = jnp.where(accept & last, jnp.maximum(h_new, h), h_new)
+        h_new = jnp.minimum(h_new, cfg.hmax)
+    else:
+        accept = finite
+        h_new = h
+    accept = accept & live
+    h_new = jax.lax.stop_gradient(jnp.where(live, h_new, h).astype(tdt))
+    tries = s.tries + live.astype(s.tries.dtype)
+    status = s.status
+    if not method.adaptive:
+        status = jnp.where(live & ~finite, NONFINITE, status)
+    tiny = h_new <= 4 * eps * jnp.maximum(jnp.abs(t), jnp.abs(target))
+    underflow = live & ~accept & tiny
+    status = jnp.where(underflow, jnp.where(finite, DT_UNDERFLOW, NONFINITE), status)
+    status = jnp.where(live & ~(accept & last) & (tries >= cfg.mxstep), MAX_STEPS, status)
+
+    g = s.g
+    if cfg.event is not None:
+        # A step across a zero of the event function is not taken: the loop stops
+        # before it (status EVENT), with `h` the size of the step that crossed.
+        g1 = jnp.sign(cfg.event(y1, t1, params))
+        crossed = accept & (g1 != s.g) & (status == SUCCESS)
+        status = jnp.where(crossed, EVENT, status)
+        h_new = jnp.where(crossed, h_step, h_new)
+        accept = accept & ~crossed
+    acc = s.acc + accept.astype(jnp.int32)
+    new = StepState(
+        t=jnp.where(accept, t1, t),
+        y=jnp.where(accept, y1, y),
+        k=jnp.where(accept, k1, k),
+        h=h_new,
+        acc=acc,
+        rej=s.rej + (live & ~accept).astype(jnp.int32),
+        tries=tries,
+        status=status.astype(jnp.int32),
+        g=g,
+    )
+    if rec is not None:
+        rec, full = _record(cfg, rec, s, new, h_step, y1, k1, accept, live)
+        new = dataclasses.replace(
+            new, status=jnp.where(full, MAX_STEPS, new.status).astype(jnp.int32)
+        )
+    if cfg.progress:
+        progress.report(new, *span)
+    taken = Taken(t=t, h=h_step, y=y, y1=y1, k_next=k1, ks=ks, accept=accept, live=live)
+    return new, rec, taken
+
+
+def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
+    """The record after an attempt. Writes never read the buffer (a read-modify-write
+    of a batched buffer makes XLA copy it every step): an accepted step goes to the
+    next free slot (a rejected attempt's write there is overwritten later), and what
+    is not due goes to a spare last slot. Also whether the record is now full."""
+    slot = jnp.minimum(s.acc, cfg.record)
+    acc = new.acc
+    spare = rec.y_cp.shape[0] - 1
+    store = accept & (acc % cfg.every == 0) & (acc // cfg.every < spare)
+    cp = jnp.where(store, acc // cfg.every, spare)
+    # The start of the latest `every` steps, step k in slot k % every: the sweep then
+    # needs no replay for the last segment (for a short solve, at all). A rejected
+    # attempt writes the same state to the same slot.
+    row = jnp.where(live, s.acc % cfg.every, cfg.every)
+    rec = RecordBuffers(
+        t=rec.t.at[slot].set(s.t),
+        h=rec.h.at[slot].set(h_step),
+        y_cp=rec.y_cp.at[cp].set(y1),
+        k_cp=rec.k_cp.at[cp].set(k1),
+        y_last=rec.y_last.at[row].set(s.y),
+        k_last=rec.k_last.at[row].set(s.k),
+    )
+    return rec, accept & (acc > cfg.record)
+
+
+def initial_state(cfg: LoopConfig, f, y0, ts, params) -> tuple[StepState, RecordBuffers | None]:
+    """The state at `ts[0]` (with the first step size) and the empty record."""
+    method = cfg.method
+    tdt = ts.dtype
+    t0 = ts[0]
+    k0 = f(y0, t0, params)
+    if method.adaptive:
+        h0 = controller.initial_step(
+            method, f, y0, k0, t0, params, cfg.rtol, cfg.atol, cfg.err_size
+        )
+        h0 = jax.lax.stop_gradient(h0)
+    else:
+        h0 = jnp.asarray(cfg.dt, tdt)
+    h0 = jnp.minimum(jnp.asarray(h0, tdt), jnp.asarray(cfg.hmax, tdt))
+    zero = jnp.asarray(0, jnp.int32)
+    status0 = jnp.where(jnp.all(jnp.isfinite(k0)), SUCCESS, NONFINITE).astype(jnp.int32)
+    g0 = None if cfg.event is None else jnp.sign(cfg.event(y0, t0, params))
+    state = StepState(t=t0, y=y0, k=k0, h=h0, acc=zero, rej=zero, tries=zero, status=status0, g=g0)
+    rec = None
+    if cfg.record:
+        n, dt = y0.shape[0], y0.dtype
+        every = cfg.every
+        n_cp = cfg.record // every + 3  # the last one is a spare
+        rec = RecordBuffers(
+            t=jnp.zeros((cfg.record + 1,), tdt),  # the last one is a spare
+            h=jnp.zeros((cfg.record + 1,), tdt),
+            y_cp=jnp.zeros((n_cp, n), dt).at[0].set(y0),
+            k_cp=jnp.zeros((n_cp, n), dt).at[0].set(k0),
+            y_last=jnp.zeros((every + 1, n), dt),  # the last one is a spare
+            k_last=jnp.zeros((every + 1, n), dt),
+        )
+    return state, rec

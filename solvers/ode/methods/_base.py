@@ -1,0 +1,126 @@
+"""The family of integration methods: what the stepping loop, the adjoints and the
+interpolants ask of a method, and the tableau most methods are built from.
+
+A method advances a flat state vector by one step:
+
+    step_with_stages(f, y, k1, t, h, params, tol) -> (y1, y_error, k1_next, ok, stages)
+
+where `f(y, t, params)` is the flattened vector field, `k1` is `f` at `(t, y)` as the
+previous step carried it (first same as last, or the derivative an implicit method
+takes from its last stage equation), `y_error` the embedded error estimate (zeros for a
+fixed-step method), `ok` False when an implicit stage solve failed (the step is then
+retried smaller) and `stages` the stage derivatives, from which the interpolant inside
+the step is built (`solvers.ode.interpolation`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+__all__ = ["AbstractMethod", "ButcherTableau", "StageTolerance"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ButcherTableau:
+    """A Runge-Kutta tableau as nested tuples (hashable: a static parameter).
+
+    Attributes:
+        c: the stage times, `c[0] = 0`.
+        a: the strictly lower triangle, `a[i]` has `i` entries.
+        b: the weights of the solution.
+        e: the weights of the embedded error estimate, or `None` (no error control:
+            the method takes fixed steps).
+        gamma: the diagonal of a diagonally implicit tableau (0 for an explicit first
+            stage), or `None` for an explicit one.
+        predictor: for a diagonally implicit tableau, the weights of each implicit
+            stage's starting guess in the earlier stages, or `None` (start from the
+            stage's explicit part).
+    """
+
+    c: tuple[float, ...]
+    a: tuple[tuple[float, ...], ...]
+    b: tuple[float, ...]
+    e: tuple[float, ...] | None = None
+    gamma: tuple[float, ...] | None = None
+    predictor: tuple[tuple[float, ...], ...] | None = None
+
+    def __post_init__(self):
+        s = len(self.b)
+        if len(self.c) != s or len(self.a) != s or any(len(r) != i for i, r in enumerate(self.a)):
+            raise ValueError(
+                f"ButcherTableau: with {s} stages `c` needs {s} entries and `a` {s} rows, "
+                f"row i with i entries; got c of {len(self.c)} and rows of "
+                f"{[len(r) for r in self.a]}"
+            )
+        for name in ("e", "gamma"):
+            v = getattr(self, name)
+            if v is not None and len(v) != s:
+                raise ValueError(f"ButcherTableau: `{name}` needs {s} entries, got {len(v)}")
+
+    @property
+    def stages(self) -> int:
+        return len(self.b)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTolerance:
+    """How accurately an implicit method solves its stage equations: to a fraction of
+    the step's own error tolerance, in the same weighted RMS norm, measured on the
+    first `size` entries of the state (all of them when `None`)."""
+
+    rtol: float = 1e-6
+    atol: float = 1e-6
+    size: int | None = None
+
+
+class AbstractMethod(abc.ABC):
+    """An integration method of `odeint`: one step on a flat state (see the module).
+
+    Subclasses are frozen dataclasses, so that a method is hashable and compares by
+    value (`Tsit5() == Tsit5()`): it is a static parameter of the solve.
+
+    Attributes a method provides:
+        name: the `method=` string it is registered under.
+        order: the exponent of the step-size controller: the order of the local error
+            estimate (5 for a 5(4) pair); for a fixed-step method, its order.
+    """
+
+    name: str
+    order: int
+
+    @property
+    @abc.abstractmethod
+    def adaptive(self) -> bool:
+        """Whether the method estimates its error (and so chooses its steps)."""
+
+    @property
+    @abc.abstractmethod
+    def implicit(self) -> bool:
+        """Whether a step solves equations (a stiff method)."""
+
+    @property
+    @abc.abstractmethod
+    def stages(self) -> int:
+        """The number of stage derivatives a step returns."""
+
+    @property
+    @abc.abstractmethod
+    def evals_per_step(self) -> int:
+        """Evaluations of `f` a step makes outside any Newton iteration and Jacobian."""
+
+    @property
+    def interpolation(self) -> Any:
+        """diffrax's class for the method's own continuous extension (a polynomial in
+        the stages), or `None` for the cubic Hermite interpolant through the values
+        and derivatives at the step's ends."""
+        return None
+
+    @abc.abstractmethod
+    def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
+        """One step from `(t, y)` of size `h`: `(y1, y_error, k1_next, ok, stages)`."""
+
+    def step(self, f, y, k1, t, h, params, *, tol=None):
+        """`step_with_stages` without the stages: `(y1, y_error, k1_next, ok)`."""
+        return self.step_with_stages(f, y, k1, t, h, params, tol=tol)[:4]

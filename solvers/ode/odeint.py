@@ -1,0 +1,289 @@
+"""`odeint`: a drop-in for `jax.experimental.ode.odeint` with every derivative mode.
+
+`odeint(func, y0, t, *args)` integrates `dy/dt = func(y, t, *args)` and returns the
+solution at every `t[i]`. Internally the state is one flat vector and the solve is one
+`implicitdiff.Primitive` (`solvers.ode.solve.ODESolve`): forward sensitivities in
+forward mode, the adjoint object's rules in reverse mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from implicitdiff.internal import closure_convert
+from jax.flatten_util import ravel_pytree
+
+from implicitdiff import error_if
+
+from .._checks import not_in_checked_shard_map, static_bool, static_int, status_returned
+from .adjoints import AbstractAdjoint, resolve_adjoint
+from .fields import FlatField
+from .loop import LoopConfig
+from .methods import METHODS, AbstractMethod, resolve_method
+from .solution import ODESolution, step_polynomials
+from .solve import Config, ODESolve
+
+__all__ = ["odeint", "positive"]
+
+
+def odeint(
+    func: Callable[..., Any],
+    y0: Any,
+    t: Any,
+    *args: Any,
+    rtol: float = 1.4e-8,
+    atol: float = 1.4e-8,
+    mxstep: float = jnp.inf,
+    hmax: float = jnp.inf,
+    method: str | AbstractMethod = "dopri5",
+    dt: float | None = None,
+    adjoint: str | AbstractAdjoint | None = None,
+    max_steps: int = 4096,
+    throw: bool = True,
+    return_info: bool = False,
+    progress: bool = False,
+    dense: bool = False,
+    interpolate: bool = False,
+) -> Any:
+    """Integrate `dy/dt = func(y, t, *args)` from `y(t[0]) = y0`; output at every `t[i]`.
+
+    Called like `jax.experimental.ode.odeint` (same positional arguments, defaults and
+    output layout), with every derivative mode: `grad`, `jvp`/`jacfwd` (forward
+    sensitivities), `hessian`, `vmap`, `jit`; `func` may close over traced values and
+    `args` may hold integers.
+
+    Arguments:
+        func: the vector field `func(y, t, *args)`, returning a pytree like `y`.
+        y0: the initial state, a pytree of floating-point or complex arrays.
+        t: 1-D array of strictly increasing times; `t[0]` is the initial time.
+        *args: extra arguments of `func` (differentiated when floating point).
+        rtol: relative tolerance of the adaptive methods.
+        atol: absolute tolerance of the adaptive methods.
+        mxstep: the most step attempts between two consecutive output times.
+        hmax: the largest step size.
+        method: a method object from `solvers.ode.methods` or its name:
+            `"dopri5"` (default), `"tsit5"`, `"bosh3"`, `"dopri8"` (explicit
+            adaptive), `"kvaerno5"` (adaptive ESDIRK for stiff problems; its stage
+            equations are solved by Newton's method), or `"rk4"`/`"euler"` (fixed
+            step `dt`); see `solvers.ode.methods.METHODS` for every registered name.
+            Every method steps exactly onto each `t[i]` unless `interpolate=True`.
+        dt: the step of `"rk4"` and `"euler"` (required for them); steps are
+            shortened to land on each `t[i]`.
+        adjoint: how reverse mode runs: an adjoint object from `solvers.ode` or its
+            name. `BacksolveAdjoint()` (`"backsolve"`: the continuous adjoint
+            integrated backwards together with the state, as JAX does; any order;
+            memory does not grow with the number of steps) or
+            `CheckpointAdjoint(max_steps=...)` (`"checkpoint"`: the exact gradient of
+            the computed solution, replaying the recorded steps from checkpoints;
+            usually faster; once in reverse mode, any order in forward mode). The
+            default (`None`) is `"backsolve"` for the explicit methods, as
+            `jax.experimental.ode.odeint`, and `"checkpoint"` for the implicit ones:
+            the state of a stiff problem cannot be integrated backwards (its decaying
+            modes grow), and `"backsolve"` raises an error when the state it
+            integrates backwards strays from the forward solution (by more than 1000
+            tolerances over an output interval), which also catches strongly damped
+            and chaotic problems.
+        max_steps: with `dense=True`, the most steps kept; with the name
+            `adjoint="checkpoint"`, also the most steps recorded (as
+            `CheckpointAdjoint(max_steps=max_steps)`, which sets the memory:
+            `sqrt(max_steps)` checkpoints of the state).
+        throw: raise at run time when the solve fails (`mxstep` exceeded, non-finite
+            state, step size underflow) or its gradient cannot be trusted; with
+            `throw=False` (which needs `return_info=True`) the status is in the info,
+            the rows of the output not reached are NaN, and so is a gradient that
+            cannot be trusted.
+        return_info: also return an `ODEInfo`.
+        progress: print the time reached while solving (for long solves).
+        dense: return an `ODESolution` to evaluate anywhere in the span instead of
+            the values at `t`; `t` is then the span `[t0, t1]`. Every accepted step
+            is kept (at most `max_steps`); between steps the solution is the method's
+            own interpolant (Dopri5, Tsit5, Dopri8) or a cubic Hermite one.
+            Derivatives with respect to `y0` and `args` work in every mode; the span
+            itself is not differentiated.
+        interpolate: step freely to `t[-1]` and evaluate the other output times
+            with the interpolant of the step holding each (the same interpolant as
+            `dense=True`), as `jax.experimental.ode.odeint` and diffrax do, instead
+            of stepping onto every `t[i]`. Many output times then cost no extra
+            steps (a neural ODE fitted to a sampled trajectory); the outputs carry
+            the interpolant's error, so they are a little less accurate than step
+            ends. Forward mode and `adjoint="checkpoint"` give the exact derivative
+            of these outputs; `"backsolve"` the continuous adjoint, as always.
+
+    Returns:
+        The solution, a pytree like `y0` with a leading axis of length `len(t)`, or
+        an `ODESolution` when `dense`; `(solution, info)` when `return_info`.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from solvers import odeint
+
+        def decay(y, t, k):
+            return -k * y
+
+        ts = jnp.linspace(0.0, 1.0, 3)
+        ys = odeint(decay, 1.0, ts, 2.0)          # exp(-2 t)
+        dk = jax.grad(lambda k: odeint(decay, 1.0, ts, k)[-1])(2.0)  # -exp(-2)
+        ```
+    """
+    name = "odeint"
+    if not callable(func):
+        raise TypeError(f"odeint: `func` must be callable as func(y, t, *args), got {func!r}")
+    m = resolve_method(name, method)
+    rtol = positive(name, "rtol", rtol)
+    atol = positive(name, "atol", atol)
+    mxstep = positive(name, "mxstep", mxstep)
+    hmax = positive(name, "hmax", hmax)
+    max_steps = static_int(name, "max_steps", max_steps, minimum=1)
+    static_bool(name, "throw", throw)
+    not_in_checked_shard_map(name)
+    static_bool(name, "return_info", return_info)
+    status_returned(name, throw, return_info)
+    static_bool(name, "progress", progress)
+    static_bool(name, "dense", dense)
+    static_bool(name, "interpolate", interpolate)
+    if dense and interpolate:
+        raise ValueError(
+            "odeint: `dense=True` already returns the interpolant over the whole span; "
+            "pass either dense=True or interpolate=True, not both"
+        )
+    adjoint = resolve_adjoint(name, adjoint, m, max_steps)
+    if m.adaptive:
+        if dt is not None:
+            raise ValueError(
+                f"odeint: `dt` is for the fixed-step methods {_names(False)}; method={m.name!r} "
+                "chooses its own steps (use `rtol`/`atol`, or `hmax` to cap them)"
+            )
+    else:
+        if dt is None:
+            raise ValueError(
+                f"odeint: method={m.name!r} takes fixed steps: pass the step size `dt=` "
+                f"(or use an adaptive method: {_names(True)})"
+            )
+        dt = positive(name, "dt", dt)
+
+    leaves = jax.tree_util.tree_leaves(y0)
+    if not leaves:
+        raise TypeError("odeint: `y0` must contain at least one array")
+    for leaf in leaves:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise TypeError(
+                "odeint: `y0` must hold floating-point or complex arrays, got dtype "
+                f"{jnp.result_type(leaf)}; pass e.g. `jnp.asarray(y0, float)`"
+            )
+    y_flat, unravel = ravel_pytree(y0)
+    tdt = jnp.finfo(y_flat.dtype).dtype
+    t = _check_times(t, tdt)
+    if dense and t.shape[0] != 2:
+        raise ValueError(
+            f"odeint: with dense=True, `t` is the span [t0, t1] (2 times), got {t.shape[0]} "
+            "times; evaluate the returned ODESolution at the times you need"
+        )
+
+    # Trace `func` once: to check what it returns, and to hoist the traced values it
+    # closes over so that they become differentiated inputs of the primitive.
+    f_conv, consts, _ = closure_convert(lambda y, s, *a: func(y, s, *a), y0, t[0], *args)
+    out = jax.eval_shape(f_conv, consts, y0, t[0], *args)
+    _check_field(out, y_flat)
+
+    params, ptree = jax.tree_util.tree_flatten((list(consts), args))
+    params = [jnp.asarray(p) for p in params]
+    is_diff = tuple(jnp.issubdtype(p.dtype, jnp.inexact) for p in params)
+    pd = tuple(p for p, d in zip(params, is_diff) if d)
+    pn = tuple(p for p, d in zip(params, is_diff) if not d)
+    field = FlatField(f_conv, unravel, ptree, is_diff, y_flat.dtype)
+    loop = LoopConfig(
+        method=m,
+        rtol=rtol,
+        atol=atol,
+        mxstep=mxstep,
+        hmax=hmax,
+        dt=dt,
+        progress=progress,
+        dense=max_steps if dense else 0,
+        interpolate=interpolate,
+    )
+    cfg = Config(loop=loop, adjoint=adjoint, throw=throw, info=return_info)
+    ys, info, t_nodes = ODESolve.apply(y_flat, t, pd, pn, f=field, cfg=cfg)
+    out = jax.vmap(unravel)(ys)
+    if dense:
+        flat_f = lambda y, s, params: field(y, s, *params)  # noqa: E731
+        coeffs = step_polynomials(m, flat_f, ys, t_nodes, (pd, pn))
+        out = ODESolution(
+            ts=t_nodes,
+            ys=out,
+            coeffs=jax.vmap(jax.vmap(unravel))(coeffs),
+            num_steps=jnp.sum(t_nodes < t_nodes[-1]).astype(jnp.int32),
+        )
+    if return_info:
+        return out, info
+    return out
+
+
+def _check_field(out: Any, y_flat: Any) -> None:
+    """Like JAX's odeint, `func` may return any pytree with as many numbers as `y0`
+    (both are flattened); anything else is an error naming `func`."""
+    leaves = jax.tree_util.tree_leaves(out)
+    size = sum(int(np.prod(leaf.shape)) for leaf in leaves)
+    if size != y_flat.shape[0] or not all(
+        jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves
+    ):
+        desc = [f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves]
+        raise TypeError(
+            f"odeint: `func(y0, t[0], *args)` must return floating-point arrays with "
+            f"as many numbers as `y0` ({y_flat.shape[0]}, usually the same pytree), got "
+            f"{desc}"
+        )
+
+
+def positive(name: str, arg: str, value: Any) -> float:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name}: `{arg}` must be a Python float (it configures the solver), got a "
+            "traced value; pass it as a constant"
+        )
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: `{arg}` must be a positive float, got {value!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name}: `{arg}` must be positive, got {value}")
+    return value
+
+
+def _check_times(t: Any, tdt: Any) -> jax.Array:
+    if not isinstance(t, jax.core.Tracer):
+        t_np = np.asarray(t)
+        if t_np.ndim != 1 or t_np.shape[0] < 1:
+            raise ValueError(
+                f"odeint: `t` must be a 1-D array of output times, got shape {t_np.shape}"
+            )
+        if not np.all(np.isfinite(t_np)):
+            raise ValueError("odeint: `t` must be finite")
+        bad = np.flatnonzero(np.diff(t_np) <= 0)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                "odeint: `t` must be strictly increasing; "
+                f"t[{i}] = {t_np[i]!r} and t[{i + 1}] = {t_np[i + 1]!r}. "
+                "Sort the times and drop repeats (to integrate backwards, substitute "
+                "s = -t in `func`)."
+            )
+        return jnp.asarray(t, tdt)
+    if jnp.ndim(t) != 1:
+        raise ValueError(f"odeint: `t` must be a 1-D array of output times, got {jnp.shape(t)}")
+    t = jnp.asarray(t, tdt)
+    return error_if(
+        t,
+        jnp.any(jnp.diff(t) <= 0) | ~jnp.all(jnp.isfinite(t)),
+        "odeint: `t` must be finite and strictly increasing (checked at run time). Sort "
+        "the times and drop repeats.",
+    )
+
+
+def _names(adaptive: bool) -> tuple[str, ...]:
+    return tuple(k for k, m in METHODS.items() if m.adaptive == adaptive)

@@ -1,0 +1,272 @@
+"""`integrate`: the stepping loop with its outputs, in one of four layouts.
+
+- stepping onto every output time, one output interval at a time (`lax.scan` over the
+  intervals, a `while_loop` of attempts in each): the plain solve;
+- the same in one flat loop over all steps, when the steps are recorded for the
+  checkpointed adjoint (a loop nested in a scan would copy the record buffers at
+  every output time);
+- one flat loop straight to `ts[-1]`, each output inside an accepted step evaluated
+  from the step's interpolant (`interpolate=True`);
+- one flat loop with every accepted step an output row (dense output).
+
+Under `vmap` every loop runs while any element is still going (`loop.while_any`) and
+the finished elements write only to spare slots, so no buffer is copied per iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from . import progress
+from .info import MAX_STEPS, SUCCESS, ODEInfo
+from .interpolation import evaluate_step, step_coefficients
+from .loop import LoopConfig, attempt, initial_state, while_any
+from .state import Record, StepState
+
+__all__ = ["Integration", "integrate", "output_window"]
+
+
+class Integration(eqx.Module):
+    """The result of `integrate`.
+
+    Attributes:
+        ys: one row per output time (`ys[0] = y0`), NaN past a failure; with dense
+            output one row per accepted step (`dense + 1` rows; the rows past the last
+            step repeat the final state).
+        info: the `ODEInfo` of the solve.
+        t_nodes: with dense output, the time of each row; else `None`.
+        final: the `StepState` where the loop stopped (the event search reads it).
+        record: the `Record` of a recording solve, else `None`.
+    """
+
+    ys: Any
+    info: ODEInfo
+    t_nodes: Any
+    final: StepState
+    record: Record | None
+
+
+def output_window(n_out: int, n: int) -> int:
+    """How many output times an interpolating loop handles at once: a few rows (about
+    32 numbers per solve), or all of them when there are that few (one pass per step,
+    no inner loop).
+
+    A pass over every row at every step costs a read and write of the whole output
+    buffer however few rows the step holds, and on CPU XLA splits such a pass over
+    threads once a batch makes it large, whose start-up costs more than the pass
+    (for 32 solves of 40 outputs on 2 cores, the NeuralODE training step of
+    `benchmarks/deq_memory.py` is about 10% faster with 16-row windows)."""
+    return max(1, min(n_out - 1, max(8, 32 // max(n, 1))))
+
+
+def integrate(f, y0, ts, params, cfg: LoopConfig, step=None) -> Integration:
+    """Integrate `y' = f(y, t, params)` from `(ts[0], y0)` through every `ts[i]`,
+    taking each step with `step` (see `loop.stepper`; by default `cfg.method`'s own).
+
+    With `cfg.dense`, `ts` is the span `[t0, t1]` and the output has a row for every
+    accepted step.
+    """
+    method = cfg.method
+    if step is None:
+
+        def step(y, k1, t, h, params, tol):
+            return method.step_with_stages(f, y, k1, t, h, params, tol=tol)
+
+    tdt = jnp.finfo(y0.dtype).dtype
+    ts = jax.lax.stop_gradient(jnp.asarray(ts, tdt))
+    state, rec = initial_state(cfg, f, y0, ts, params)
+    span = (ts[0], ts[-1])
+
+    def attempt_to(target, s, rec):
+        return attempt(cfg, step, f, params, span, target, s, rec)
+
+    t_nodes = out_theta = None
+    if cfg.dense:
+        state, rec, ys, t_nodes, out_step = _dense(cfg, attempt_to, state, rec, y0, ts)
+    elif cfg.interpolate:
+        state, rec, ys, out_step, out_theta = _interpolated(cfg, attempt_to, state, rec, y0, ts)
+    elif cfg.record:
+        state, rec, ys, out_step = _recorded(attempt_to, state, rec, y0, ts)
+    else:
+        state, ys, out_step = _by_interval(attempt_to, state, y0, ts)
+    # f(y0, t0), the trial point of the first step size (adaptive methods), and each
+    # attempt's own evaluations.
+    first = 1 + int(method.adaptive)
+    info = ODEInfo(
+        steps=state.acc,
+        rejected=state.rej,
+        num_fevals=(first + method.evals_per_step * (state.acc + state.rej)).astype(jnp.int32),
+        t_final=state.t,
+        status=state.status,
+    )
+    record = None
+    if cfg.record:
+        if out_theta is None:  # every output is a step end
+            out_theta = jnp.ones(out_step.shape, tdt)
+        every = cfg.every
+        buffers = dataclasses.replace(rec, y_last=rec.y_last[:every], k_last=rec.k_last[:every])
+        record = Record(buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc)
+    if cfg.progress:
+        progress.report_done(state)
+    return Integration(ys=ys, info=info, t_nodes=t_nodes, final=state, record=record)
+
+
+def _nan_unless_ok(s: StepState):
+    return jnp.where(s.status == SUCCESS, s.y, jnp.full_like(s.y, jnp.nan))
+
+
+def _going(target):
+    return lambda c: (c[0].t < target) & (c[0].status == SUCCESS)
+
+
+def _by_interval(attempt_to, state, y0, ts):
+    """Step onto every output time, one interval at a time."""
+
+    def interval(s, target):
+        s = dataclasses.replace(s, tries=jnp.zeros_like(s.tries))
+        (s,) = while_any(_going(target), lambda c: (attempt_to(target, c[0], None)[0],), (s,))
+        return s, (_nan_unless_ok(s), s.acc)
+
+    state, (ys, out_step) = jax.lax.scan(interval, state, ts[1:])
+    ys = jnp.concatenate([y0[None], ys])
+    out_step = jnp.concatenate([jnp.zeros((1,), jnp.int32), out_step])
+    return state, ys, out_step
+
+
+def _recorded(attempt_to, state, rec, y0, ts):
+    """Step onto every output time in one flat loop over all steps, recording them."""
+    n_out, n = ts.shape[0], y0.shape[0]
+
+    def body(c):
+        s, rec, i, ys, out_step = c
+        row = jnp.minimum(i, n_out - 1)
+        target = ts[row]
+        new, rec, taken = attempt_to(target, s, rec)
+        hit = taken.live & (new.t >= target)
+        new = dataclasses.replace(new, tries=jnp.where(hit, 0, new.tries))
+        row = jnp.where(hit, row, n_out)  # the spare last row
+        return (
+            new,
+            rec,
+            i + hit.astype(jnp.int32),
+            ys.at[row].set(new.y),
+            out_step.at[row].set(new.acc),
+        )
+
+    init = (
+        state,
+        rec,
+        jnp.asarray(1, jnp.int32),
+        jnp.full((n_out + 1, n), jnp.nan, y0.dtype).at[0].set(y0),
+        jnp.zeros((n_out + 1,), jnp.int32),
+    )
+    state, rec, _, ys, out_step = while_any(
+        lambda c: (c[2] < n_out) & (c[0].status == SUCCESS), body, init
+    )
+    return state, rec, ys[:n_out], out_step[:n_out]
+
+
+def _dense(cfg, attempt_to, state, rec, y0, ts):
+    """Every accepted step is an output row: one flat loop to the end of the span."""
+    n_rows = cfg.dense + 1
+    n = y0.shape[0]
+    tdt = ts.dtype
+
+    def body(c):
+        s, rec, ys, tn = c
+        new, rec, _ = attempt_to(ts[-1], s, rec)
+        row = jnp.where(new.acc > s.acc, jnp.minimum(new.acc, n_rows), n_rows)
+        full = new.acc > cfg.dense
+        new = dataclasses.replace(
+            new, status=jnp.where(full, MAX_STEPS, new.status).astype(jnp.int32)
+        )
+        return new, rec, ys.at[row].set(new.y), tn.at[row].set(new.t)  # row n_rows: a spare
+
+    init = (
+        state,
+        rec,
+        jnp.zeros((n_rows + 1, n), y0.dtype).at[0].set(y0),
+        jnp.zeros((n_rows + 1,), tdt).at[0].set(ts[0]),
+    )
+    state, rec, ys_buf, tn = while_any(_going(ts[-1]), body, init)
+    rows = jnp.arange(n_rows)
+    done = rows <= state.acc
+    ys = jnp.where(done[:, None], ys_buf[:n_rows], _nan_unless_ok(state))
+    t_nodes = jnp.where(done, tn[:n_rows], state.t)
+    return state, rec, ys, t_nodes, rows.astype(jnp.int32)
+
+
+def _interpolated(cfg, attempt_to, state, rec, y0, ts):
+    """One flat loop to the last output time: the steps ignore the other output times,
+    and every output inside an accepted step is the step's interpolant."""
+    method = cfg.method
+    n_out, n = ts.shape[0], y0.shape[0]
+    tdt = ts.dtype
+    last_row = n_out - 1
+    window = output_window(n_out, n)
+
+    def body(c):
+        s, rec, i, ys, out_step, out_theta = c
+        new, rec, taken = attempt_to(ts[-1], s, rec)
+        t_a, h_a, t_b = taken.t, taken.h, new.t
+        coeffs = step_coefficients(method, h_a, taken.y, taken.y1, taken.k_next, taken.ks)
+        # Computed once per step, not once per output row inside a fused evaluation.
+        coeffs = jax.lax.optimization_barrier(coeffs)
+
+        def outputs_at(rows, i):
+            # The interpolant at the output rows `rows`; which of them lie in this step
+            # (rows before `i` were written by earlier steps).
+            t_rows = ts[jnp.minimum(rows, last_row)]
+            inside = taken.accept & (rows >= i) & (rows < n_out) & (t_rows <= t_b)
+            theta = jnp.where(t_rows >= t_b, 1, (t_rows - t_a) / h_a).astype(tdt)
+            return inside, theta, evaluate_step(coeffs, theta, taken.y1)
+
+        i0 = i
+        if window >= n_out - 1:
+            # One pass over every row (the last one is a spare): a select, no scatter.
+            inside, theta, y_rows = outputs_at(jnp.arange(n_out + 1), i)
+            ys = jnp.where(inside[:, None], y_rows, ys)
+            out_step = jnp.where(inside, new.acc, out_step)
+            out_theta = jnp.where(inside, theta, out_theta)
+            i = i + jnp.sum(inside, dtype=i.dtype)
+        else:
+            # The next `window` outputs at a time, while the step holds more; those
+            # inside it are written (the others go to the spare last row).
+            def due(w):
+                i = w[0]
+                return taken.accept & (i < n_out) & (ts[jnp.minimum(i, last_row)] <= t_b)
+
+            def emit(w):
+                i, ys, out_step, out_theta = w
+                rows = i + jnp.arange(window)
+                inside, theta, y_rows = outputs_at(rows, i)
+                rows = jnp.where(inside, rows, n_out)
+                return (
+                    i + jnp.sum(inside, dtype=i.dtype),
+                    ys.at[rows].set(y_rows),
+                    out_step.at[rows].set(new.acc),
+                    out_theta.at[rows].set(theta),
+                )
+
+            i, ys, out_step, out_theta = while_any(due, emit, (i, ys, out_step, out_theta))
+        # `mxstep` counts the attempts since the last output.
+        new = dataclasses.replace(new, tries=jnp.where(i > i0, 0, new.tries))
+        return new, rec, i, ys, out_step, out_theta
+
+    init = (
+        state,
+        rec,
+        jnp.asarray(1, jnp.int32),
+        jnp.full((n_out + 1, n), jnp.nan, y0.dtype).at[0].set(y0),  # the last: a spare
+        jnp.zeros((n_out + 1,), jnp.int32),
+        jnp.ones((n_out + 1,), tdt),
+    )
+    state, rec, _, ys, out_step, out_theta = while_any(
+        lambda c: (c[2] < n_out) & (c[0].status == SUCCESS), body, init
+    )
+    return state, rec, ys[:n_out], out_step[:n_out], out_theta[:n_out]

@@ -1,0 +1,74 @@
+"""The typed state of the stepping loop (pytrees: one entry per element under `vmap`)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+from jaxtyping import Array, Float, Int
+
+__all__ = ["StepState", "RecordBuffers", "Record"]
+
+
+class StepState(eqx.Module):
+    """Where an integration stands.
+
+    Attributes:
+        t: the time reached.
+        y: the state there (flat).
+        k: the derivative there as the last step carried it (see the methods).
+        h: the next step size to try.
+        acc: accepted steps.
+        rej: rejected attempts.
+        tries: attempts since the last output time (for `mxstep`).
+        status: the status code (`solvers.ode.info`).
+        g: the sign of the event function at `(t, y)` (an event search), else `None`.
+    """
+
+    t: Float[Array, ...]
+    y: Array
+    k: Array
+    h: Float[Array, ...]
+    acc: Int[Array, ...]
+    rej: Int[Array, ...]
+    tries: Int[Array, ...]
+    status: Int[Array, ...]
+    g: Array | None = None
+
+
+class RecordBuffers(eqx.Module):
+    """What a recording loop writes as it goes (for the checkpointed adjoint).
+
+    Attributes:
+        t: each accepted step's start (`max_steps + 1` slots, the last a spare).
+        h: each accepted step's size.
+        y_cp: the state every `every` accepted steps, from step 0 (the last slot a
+            spare).
+        k_cp: the carried derivative at those states: a replay from a checkpoint
+            starts from it, so it repeats the solve's steps exactly.
+        y_last: the starts of the latest `every` steps, step `k` in slot `k % every`.
+        k_last: the carried derivative at those starts.
+    """
+
+    t: Float[Array, ...]
+    h: Float[Array, ...]
+    y_cp: Float[Array, ...]
+    k_cp: Float[Array, ...]
+    y_last: Float[Array, ...]
+    k_last: Float[Array, ...]
+
+
+class Record(eqx.Module):
+    """What a recording solve hands the checkpointed sweep: the `RecordBuffers`, where
+    each output lies, and the number of steps.
+
+    Attributes:
+        buffers: the `RecordBuffers` (with `y_last`, `k_last` trimmed to `every` rows).
+        out_step: for each output row, the accepted-step count at which it was reached
+            (it lies in step `out_step - 1`).
+        out_theta: where in that step, as a fraction of it (1 at its end).
+        steps: the accepted steps.
+    """
+
+    buffers: RecordBuffers
+    out_step: Int[Array, ...]
+    out_theta: Float[Array, ...]
+    steps: Int[Array, ...]

@@ -1,0 +1,141 @@
+"""Every `LinearSolver` of `linear_problems.SOLVERS` on every problem of its catalogue.
+
+For each (solver, problem) pair one jitted program computes the one-shot solve, the
+state-based solves (`init` once, then `solve` for two right-hand sides and
+`transpose_solve`), and derivatives of each with respect to `b` and to the matrix the
+operator closes over (grad, jacfwd, jvp, second order), and the test compares each with
+its closed form from NumPy. The batch problem runs the same program under `jax.vmap`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from implicitdiff import linear_solve
+
+from .linear_problems import LinearProblem, cases, is_slow
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _param(solver, problem):
+    marks = [pytest.mark.slow] if is_slow(solver, problem) else []
+    return pytest.param(solver, problem, id=f"{type(solver).__name__}-{problem.name}", marks=marks)
+
+
+CASES = [_param(s, p) for s, p in cases()]
+
+
+def _flat(tree):
+    return ravel_pytree(tree)[0]
+
+
+def _quantities(solver, problem, a, b, c, e):
+    """Everything under test for one system `a x = b`, as flat arrays: `c` weighs the
+    solution into a scalar, `e` is a direction in matrix space."""
+    op = functools.partial(problem.operator, like=b)
+    b2 = jax.tree_util.tree_map(jnp.cos, b)  # a second right-hand side
+
+    def one_shot(a, b):
+        return _flat(solver(op(a), b))
+
+    def with_state(a, b, transposed=False):
+        state = solver.init(op(a), b)
+        method = solver.transpose_solve if transposed else solver.solve
+        return _flat(method(state, b))
+
+    flat_b, unravel = ravel_pytree(b)
+    state = solver.init(op(a), jax.eval_shape(lambda: b))  # `b_like` may be abstract
+    along = lambda f: lambda t: c @ f(a + t * e, b)  # noqa: E731
+    return {
+        "call": one_shot(a, b),
+        "solve": _flat(solver.solve(state, b)),
+        "solve_again": _flat(solver.solve(state, b2)),
+        "transpose_solve": _flat(solver.transpose_solve(state, b)),
+        "grad_b": _flat(jax.grad(lambda b: c @ one_shot(a, b))(b)),
+        "grad_matrix": jax.grad(lambda a: c @ one_shot(a, b))(a),
+        "grad_matrix_state": jax.grad(lambda a: c @ with_state(a, b))(a),
+        "grad_matrix_transposed": jax.grad(lambda a: c @ with_state(a, b, True))(a),
+        "jacfwd_b_state": jax.jacfwd(lambda fb: with_state(a, unravel(fb)))(flat_b),
+        "jvp_matrix": jax.jvp(lambda a: one_shot(a, b), (a,), (e,))[1],
+        "d2_state": jax.jacfwd(jax.grad(along(with_state)))(0.0),
+        "d2_one_shot": jax.grad(jax.grad(along(one_shot)))(0.0),
+    }
+
+
+def _expected(a, b, c, e):
+    """The closed forms of `_quantities`, with NumPy."""
+    b, b2 = _flat(b), _flat(jax.tree_util.tree_map(np.cos, b))
+    inv = np.linalg.inv(a)
+    x, y, w = inv @ b, inv.T @ b, inv.T @ c
+    return {
+        "call": x,
+        "solve": x,
+        "solve_again": inv @ b2,
+        "transpose_solve": y,
+        "grad_b": w,
+        "grad_matrix": -np.outer(w, x),
+        "grad_matrix_state": -np.outer(w, x),
+        "grad_matrix_transposed": -np.outer(y, inv @ c),
+        "jacfwd_b_state": inv,
+        "jvp_matrix": -inv @ e @ x,
+        "d2_state": 2 * c @ inv @ e @ inv @ e @ x,
+        "d2_one_shot": 2 * c @ inv @ e @ inv @ e @ x,
+    }
+
+
+def _element(k, t):
+    """Element `k` of a batched result (`k` None: unbatched), as a NumPy array."""
+    return np.asarray(t if k is None else t[k])
+
+
+def _symmetric_part(m):
+    return (m + m.T) / 2
+
+
+def _data(problem: LinearProblem):
+    a, b = problem.arrays()
+    n = a.shape[-1]
+    rng = np.random.default_rng(7)
+    e = rng.normal(size=(n, n))
+    if problem.symmetric:  # stay among the operators a symmetric solver is meant for
+        e = _symmetric_part(e)
+    return a, b, jnp.asarray(rng.normal(size=n)), jnp.asarray(e)
+
+
+@pytest.mark.parametrize("solver, problem", CASES)
+def test_solver_against_closed_forms(x64, solver, problem):
+    a, b, c, e = _data(problem)
+    run = functools.partial(_quantities, solver, problem)
+    if problem.batched:
+        run = jax.vmap(run, in_axes=(0, 0, None, None))
+    got = jax.jit(run)(a, b, c, e)
+    for k in range(a.shape[0] if problem.batched else 1):
+        pick = functools.partial(_element, k if problem.batched else None)
+        ak, bk = pick(a), jax.tree_util.tree_map(pick, b)
+        want = _expected(ak, bk, np.asarray(c), np.asarray(e))
+        for name, value in want.items():
+            value_got = pick(got[name]).reshape(np.shape(value))
+            if solver.symmetric and name == "grad_matrix_transposed":
+                # A solver for symmetric operators solves with `A` for `A^T`: the two
+                # derivatives agree along symmetric perturbations of the matrix only.
+                value_got, value = _symmetric_part(value_got), _symmetric_part(value)
+            np.testing.assert_allclose(
+                value_got,
+                value,
+                rtol=1e-7,
+                atol=1e-9,
+                err_msg=f"{name} (batch element {k})",
+            )
+
+
+def test_catalogue_covers_every_registered_solver():
+    from .linear_problems import SOLVERS
+
+    assert {type(s) for s in SOLVERS} == set(linear_solve.SOLVERS.values())
