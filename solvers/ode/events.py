@@ -20,10 +20,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from implicitdiff.internal import closure_convert
 from jax.flatten_util import ravel_pytree
 
 from implicitdiff import custom_root, error_if
+from implicitdiff.internal import closure_convert
 
 from .._checks import not_in_checked_shard_map, static_bool, status_returned
 from .adjoints import AbstractAdjoint

@@ -27,6 +27,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+
 from implicitdiff.internal import any_over_batch
 
 from . import controller, progress

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from implicitdiff.internal import closure_convert
 from jax.flatten_util import ravel_pytree
 
 from implicitdiff import error_if
+from implicitdiff.internal import closure_convert
 
 from .._checks import not_in_checked_shard_map, static_bool, static_int, status_returned
 from .adjoints import AbstractAdjoint, resolve_adjoint

@@ -20,9 +20,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from implicitdiff.internal import instantiate_zeros
 
 from implicitdiff import Primitive, Zero, error_if
+from implicitdiff.internal import instantiate_zeros
 
 from .fields import TangentField
 from .info import SUCCESS, ODEInfo

@@ -25,9 +25,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from implicitdiff.internal import any_over_batch, max_over_batch
 
 from implicitdiff import Primitive
+from implicitdiff.internal import any_over_batch, max_over_batch
 
 from ..interpolation import (
     BASIS_K_NEXT,
