@@ -82,6 +82,27 @@ def test_derivatives_match_scipy_references(x64, name):
     np.testing.assert_allclose(fy, gy, rtol=1e-9, atol=1e-12 * np.max(np.abs(gy)))
 
 
+def test_forward_mode_through_steps_whose_newton_iteration_fails(x64):
+    """At a loose tolerance the controller tries steps on ROBER whose stage iteration
+    diverges (those steps are rejected); the tangent of such a step is discarded, so
+    its non-finite stage Jacobian must neither raise nor leak into the result."""
+    prob = PROBLEMS["rober"]
+
+    def f(y, t, p):
+        return prob["f"](y, t, p, jnp)
+
+    def y3(p):
+        ys = odeint(f, jnp.asarray(prob["y0"]), jnp.array([0.0, 100.0]), p,
+                    method="kvaerno5", rtol=1e-6, atol=1e-10)  # fmt: skip
+        return ys[-1, 2]
+
+    p = jnp.asarray(prob["p"])
+    g = jax.jit(jax.grad(y3))(p)
+    fwd = jax.jit(jax.jacfwd(y3))(p)
+    assert np.all(np.isfinite(fwd))
+    np.testing.assert_allclose(fwd, g, rtol=1e-8, atol=1e-12 * np.max(np.abs(g)))
+
+
 @pytest.mark.slow
 def test_van_der_pol_derivative_converges_with_the_tolerance(x64):
     """VDPOL's jumps move with eps: d/d eps of the solution is far more sensitive to

@@ -138,7 +138,10 @@ class ESDIRK(TableauMethod):
 
         # The stage equations' derivatives: the residual's Jacobian at the stage value,
         # factorised once (in reverse mode, for the forward and the transposed solve).
-        tangent_solve = linear_solve.Dense()
+        # No finiteness check: a step whose Newton iteration failed is rejected and its
+        # tangent discarded, and the stage value of such a step may be far off, with a
+        # singular or non-finite Jacobian there.
+        tangent_solve = linear_solve.Dense(throw=False)
 
         ks = [k1]
         ok = jnp.asarray(True)
