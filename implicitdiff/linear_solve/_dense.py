@@ -96,7 +96,10 @@ class Dense(LinearSolver):
 
     def init(self, matvec: MatVec, b_like: PyTree) -> DenseState:
         operator = as_operator(matvec, b_like)
-        return DenseState(operator, *jsp_linalg.lu_factor(materialise(operator, b_like)))
+        # The factors are never differentiated (see `DenseState`): without the stop, a
+        # derivative would still trace the factorisation's own rule, costly in reverse.
+        matrix = jax.lax.stop_gradient(materialise(operator, b_like))
+        return DenseState(operator, *jsp_linalg.lu_factor(matrix))
 
     def solve(self, state: DenseState, b: PyTree) -> PyTree:
         return custom_linear_solve(

@@ -85,6 +85,9 @@ def output_weights(m: AbstractMethod) -> np.ndarray:
     """The polynomials `w_r(theta)` of the interpolant inside a step on the basis
     `[y, y1, k1_next, k_1, ..., k_s]`, as a `(3 + stages, degree + 1)` array (lowest
     power first). A row of zeros is a basis entry the interpolant does not use."""
+    own = m.continuous_weights()
+    if own is not None:
+        return np.asarray(own, np.float64)
     if m.interpolation is not None:
         stages = stage_polynomials(m)
         w = np.zeros((BASIS_STAGES + m.stages, stages.shape[1]))

@@ -133,7 +133,11 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params):
     def one(y, y1, t, t1):
         h = t1 - t
         k1 = f(y, t, params)
-        if method.interpolation is None:
+        if method.continuous_weights() is not None:
+            # The stages of a method without an iteration are recomputed exactly.
+            *_, ks = method.step_with_stages(f, y, k1, t, h, params)
+            k_next = f(y1, t1, params)
+        elif method.interpolation is None:
             # Cubic Hermite: only the derivatives at both ends are used.
             ks = [k1] + [jnp.zeros_like(k1)] * (method.stages - 1)
             k_next = f(y1, t1, params)

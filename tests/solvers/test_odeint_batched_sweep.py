@@ -22,6 +22,7 @@ KW = {
     "tsit5": dict(rtol=1e-9, atol=1e-9),  # explicit, first-same-as-last
     "rk4": dict(dt=0.05),  # fixed step, f at the step's end evaluated separately
     "kvaerno5": dict(rtol=1e-7, atol=1e-7),  # implicit stages
+    "rodas5p": dict(rtol=1e-7, atol=1e-7),  # linearly implicit stages
 }
 
 
@@ -48,6 +49,7 @@ def central(fn, x, eps=1e-6):
         pytest.param("rk4", False, marks=pytest.mark.slow),
         pytest.param("kvaerno5", True, marks=pytest.mark.slow),
         pytest.param("kvaerno5", False, marks=pytest.mark.slow),
+        pytest.param("rodas5p", True, marks=pytest.mark.slow),
     ],
 )
 def test_shared_parameters_summed_over_the_batch(x64, method, interpolate):

@@ -23,8 +23,8 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def _loss(name, rtol, **kw):
-    """`loss(p, y0) = sum_i w . y(t_i)` over the outputs after `t[0]`, by Kvaerno5."""
+def _loss(name, rtol, method="kvaerno5", **kw):
+    """`loss(p, y0) = sum_i w . y(t_i)` over the outputs after `t[0]`."""
     prob = PROBLEMS[name]
     ts, w = jnp.asarray(prob["ts"]), jnp.asarray(prob["w"])
     atol = rtol * prob["atol_factor"]
@@ -33,12 +33,12 @@ def _loss(name, rtol, **kw):
         return prob["f"](y, t, p, jnp)
 
     def loss(p, y0):
-        ys = odeint(f, y0, ts, p, method="kvaerno5", rtol=rtol, atol=atol, mxstep=1e6, **kw)
+        ys = odeint(f, y0, ts, p, method=method, rtol=rtol, atol=atol, mxstep=1e6, **kw)
         return jnp.sum(ys[1:] * w)
 
     def steps(p, y0):
         info = odeint(
-            f, y0, ts, p, method="kvaerno5", rtol=rtol, atol=atol, mxstep=1e6,
+            f, y0, ts, p, method=method, rtol=rtol, atol=atol, mxstep=1e6,
             return_info=True, **kw,
         )[1]  # fmt: skip
         return info.steps
@@ -60,13 +60,14 @@ def _point(name):
 # checked against `10 n rtol`, relative to the largest entry.
 
 
+@pytest.mark.parametrize("method", ["kvaerno5", "rodas5p"])
 @pytest.mark.parametrize(
     "name",
     ["rober", "hires", "bruss16", pytest.param("orego", marks=pytest.mark.slow)],
 )
-def test_derivatives_match_scipy_references(x64, name):
+def test_derivatives_match_scipy_references(x64, name, method):
     rtol = 1e-8
-    loss, steps = _loss(name, rtol)
+    loss, steps = _loss(name, rtol, method)
     p, y0 = _point(name)
     ref = REFS[name]
     n = int(jax.jit(steps)(p, y0))
@@ -76,7 +77,7 @@ def test_derivatives_match_scipy_references(x64, name):
     assert _rel(gp, ref["grad_p"]) < bound, (_rel(gp, ref["grad_p"]), bound)
     assert _rel(gy, ref["grad_y0"]) < bound, (_rel(gy, ref["grad_y0"]), bound)
     # Forward sensitivities differentiate the same computed solution as the
-    # checkpointed adjoint (kvaerno5's default): the two agree to rounding.
+    # checkpointed adjoint (a stiff method's default): the two agree to rounding.
     fp, fy = jax.jit(jax.jacfwd(loss, argnums=(0, 1)))(p, y0)
     np.testing.assert_allclose(fp, gp, rtol=1e-9, atol=1e-12 * np.max(np.abs(gp)))
     np.testing.assert_allclose(fy, gy, rtol=1e-9, atol=1e-12 * np.max(np.abs(gy)))

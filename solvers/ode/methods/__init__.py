@@ -24,6 +24,7 @@ from typing import Any
 
 from ._base import AbstractMethod, ButcherTableau, StageTolerance
 from ._esdirk import ESDIRK
+from ._rosenbrock import Rosenbrock, RosenbrockTableau
 from ._runge_kutta import ExplicitRungeKutta, TableauMethod
 from .bosh3 import Bosh3
 from .dopri5 import Dopri5
@@ -31,6 +32,7 @@ from .dopri8 import Dopri8
 from .euler import Euler
 from .kvaerno5 import Kvaerno5
 from .rk4 import RK4
+from .rodas5p import Rodas5P
 from .tsit5 import Tsit5
 
 __all__ = [
@@ -40,11 +42,14 @@ __all__ = [
     "TableauMethod",
     "ExplicitRungeKutta",
     "ESDIRK",
+    "Rosenbrock",
+    "RosenbrockTableau",
     "Dopri5",
     "Tsit5",
     "Bosh3",
     "Dopri8",
     "Kvaerno5",
+    "Rodas5P",
     "RK4",
     "Euler",
     "METHODS",
@@ -64,7 +69,7 @@ def register(method: AbstractMethod) -> AbstractMethod:
     return method
 
 
-for _method in (Dopri5(), Tsit5(), Bosh3(), Dopri8(), Kvaerno5(), RK4(), Euler()):
+for _method in (Dopri5(), Tsit5(), Bosh3(), Dopri8(), Kvaerno5(), Rodas5P(), RK4(), Euler()):
     register(_method)
 
 

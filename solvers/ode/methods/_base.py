@@ -117,6 +117,13 @@ class AbstractMethod(abc.ABC):
         and derivatives at the step's ends."""
         return None
 
+    def continuous_weights(self) -> Any:
+        """The method's own interpolant as polynomial weights on the basis `[y, y1,
+        k1_next, k_1, ..., k_s]` (a `(3 + stages, degree + 1)` NumPy array, lowest
+        power first; see `solvers.ode.interpolation`), or `None`: then `interpolation`
+        decides."""
+        return None
+
     @abc.abstractmethod
     def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
         """One step from `(t, y)` of size `h`: `(y1, y_error, k1_next, ok, stages)`."""
