@@ -1,211 +1,39 @@
-"""`check_grads`: derivative checks against finite differences and a reference, as a table."""
+"""`check_grads`: derivative checks against finite differences and a reference, as a table.
+
+This module owns the check itself: it turns the arguments into functions of their
+floating-point leaves, draws directions, evaluates each node's finite differences,
+jvps and vjps in one call, recurses to the derivative functions of higher orders, and
+collects one row per comparison. The comparisons and default tolerances are in
+`_compare`, the rows, the error and the table in `_report`.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import math
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_grads", "GradCheckRow", "GradCheckError", "format_table"]
-
-
-FD = "finite differences"
-REFERENCE = "reference"
-JVP = "jvp"
-
-# ---------------------------------------------------------------------------
-# Default step sizes and tolerances, per (real) floating dtype.
-#
-# Central differences of step h have a truncation error ~ h**2 * |f'''| / 6 and a
-# rounding error ~ macheps * |f| / h. The steps below balance the two for functions
-# of moderate scale; the finite-difference tolerances leave room for both. "exact"
-# is the tolerance for comparing two derivatives that should agree up to rounding
-# (and solver tolerance): the reference's, and the jvp that a vjp is checked against.
-
-
-@dataclasses.dataclass(frozen=True)
-class _Defaults:
-    eps: float
-    fd_tol: float
-    exact_tol: float
-
-
-_DEFAULTS: dict[np.dtype, _Defaults] = {
-    np.dtype(np.float64): _Defaults(eps=1e-5, fd_tol=1e-5, exact_tol=1e-8),
-    np.dtype(np.float32): _Defaults(eps=1e-3, fd_tol=1e-2, exact_tol=1e-4),
-    np.dtype(np.float16): _Defaults(eps=3e-2, fd_tol=1e-1, exact_tol=1e-2),
-    np.dtype(jnp.bfloat16): _Defaults(eps=1e-1, fd_tol=2e-1, exact_tol=5e-2),
-}
-
-
-def _real_dtype(dtype: Any) -> np.dtype:
-    dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return np.dtype(jnp.finfo(dtype).dtype)
-    return dtype
-
-
-def _least_precise(dtypes: Iterable[Any]) -> np.dtype:
-    """The inexact dtype with the largest machine epsilon among `dtypes` (float64 if none)."""
-    best = np.dtype(np.float64)
-    for dt in dtypes:
-        dt = _real_dtype(dt)
-        if jnp.issubdtype(dt, jnp.floating) and jnp.finfo(dt).eps > jnp.finfo(best).eps:
-            best = dt
-    return best
-
-
-def _defaults_for(dtype: np.dtype) -> _Defaults:
-    if dtype in _DEFAULTS:
-        return _DEFAULTS[dtype]
-    # Other floating types (float8 and friends): no sensible finite differences; be lax.
-    return _Defaults(eps=1e-1, fd_tol=5e-1, exact_tol=1e-1)
-
-
-# ---------------------------------------------------------------------------
-# Results.
-
-
-@dataclasses.dataclass(frozen=True)
-class GradCheckRow:
-    """One comparison made by `check_grads`.
-
-    Attributes:
-        argument: the argument that was perturbed: its parameter name when `f`'s
-            signature gives one, else ``"args[i]"``; ``"all"`` for the value row and
-            when every argument was perturbed at once (``per_argument=False``).
-        mode: ``"fwd"`` (jvp), ``"rev"`` (vjp) or ``"value"``; at order 2 and above
-            the composition, outermost first, e.g. ``"fwd-over-rev"`` is the jvp of the
-            vjp function.
-        order: derivative order (0 for the value row).
-        against: what it was compared with: ``"finite differences"``, ``"reference"``
-            or ``"jvp"`` (a vjp checked against the jvp by <u, J v> = <J^T u, v>).
-        max_abs_err: largest absolute difference.
-        max_rel_err: `max_abs_err` divided by the scale of the expected values
-            (their largest magnitude; for the <u, J v> identity, sum |u| |J v|).
-        tol: the threshold `max_abs_err` was compared with: atol + rtol * scale.
-        passed: whether ``max_abs_err <= tol`` (False for NaN).
-    """
-
-    argument: str
-    mode: str
-    order: int
-    against: str
-    max_abs_err: float
-    max_rel_err: float
-    tol: float
-    passed: bool
-
-
-class GradCheckError(AssertionError):
-    """Raised by `check_grads` when a check fails; `rows` holds every result row."""
-
-    def __init__(self, message: str, rows: Sequence[GradCheckRow]):
-        super().__init__(message)
-        self.rows: list[GradCheckRow] = list(rows)
-
-    def __reduce__(self):  # picklable despite the extra constructor argument
-        return (type(self), (str(self), self.rows))
-
-
-_HEADERS = (
-    "argument",
-    "mode",
-    "order",
-    "against",
-    "max abs error",
-    "max rel error",
-    "tolerance",
-    "status",
+from ._compare import (
+    FD,
+    JVP,
+    REFERENCE,
+    _compare,
+    _defaults_for,
+    _inner,
+    _least_precise,
+    _random_like,
+    _resolve_tol,
+    _summarise,
+    _to_np,
 )
-_NUMERIC = {"order", "max abs error", "max rel error", "tolerance"}
+from ._report import GradCheckError, GradCheckRow, format_table
 
-
-def _fmt_float(x: float) -> str:
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf"
-    return f"{x:.2e}"
-
-
-def format_table(
-    rows: Sequence[GradCheckRow],
-    *,
-    markdown: bool = False,
-    problems: Sequence[str] | None = None,
-) -> str:
-    """Render result rows as a table.
-
-    Arguments:
-        rows: the rows returned by `check_grads` (or carried by `GradCheckError`).
-        markdown: a Markdown table instead of aligned plain text.
-        problems: optional problem names, one per row, shown in a leading
-            ``problem`` column (the command line uses this).
-
-    Returns:
-        The table as a string without a trailing newline. The status column reads
-        ``ok`` or ``FAIL``; in plain text, failing rows also start with ``>``.
-
-    Example:
-        ```python
-        from implicitdiff.gradcheck import GradCheckRow, format_table
-
-        row = GradCheckRow("x", "fwd", 1, "finite differences", 1e-9, 1e-9, 1e-5, True)
-        print(format_table([row], markdown=True))
-        ```
-    """
-    if problems is not None and len(problems) != len(rows):
-        raise ValueError(f"got {len(problems)} problem names for {len(rows)} rows")
-    headers = list(_HEADERS)
-    if problems is not None:
-        headers.insert(0, "problem")
-    body = []
-    for i, r in enumerate(rows):
-        cells = [
-            r.argument,
-            r.mode,
-            str(r.order),
-            r.against,
-            _fmt_float(r.max_abs_err),
-            _fmt_float(r.max_rel_err),
-            _fmt_float(r.tol),
-            "ok" if r.passed else "FAIL",
-        ]
-        if problems is not None:
-            cells.insert(0, problems[i])
-        body.append(cells)
-    right = [h in _NUMERIC for h in headers]
-
-    if markdown:
-        esc = lambda s: s.replace("|", "\\|")
-        lines = ["| " + " | ".join(headers) + " |"]
-        lines.append("|" + "|".join("---:" if r else "---" for r in right) + "|")
-        lines += ["| " + " | ".join(esc(c) for c in cells) + " |" for cells in body]
-        return "\n".join(lines)
-
-    widths = [max([len(h), *(len(c[j]) for c in body)]) for j, h in enumerate(headers)]
-
-    def line(cells: Sequence[str], mark: str) -> str:
-        parts = [
-            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True)
-        ]
-        return (mark + "  ".join(parts)).rstrip()
-
-    out = [line(headers, "  "), "  " + "  ".join("-" * w for w in widths)]
-    out += [line(cells, "  " if cells[-1] == "ok" else "> ") for cells in body]
-    return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------
-# check_grads.
+__all__ = ["check_grads", "GradCheckRow", "GradCheckError", "format_table"]
 
 
 def _is_inexact(x: Any) -> bool:
@@ -232,77 +60,6 @@ def _argument_names(f: Callable, nargs: int) -> list[str]:
             break
         names[i] = p.name
     return names
-
-
-def _random_like(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        val = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
-    else:
-        val = rng.standard_normal(shape)
-    return jnp.asarray(val, dtype=dtype)
-
-
-def _to_np(xs: Sequence[jax.Array]) -> list[np.ndarray]:
-    out = []
-    for x in xs:
-        a = np.asarray(x)
-        a = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
-        out.append(a)
-    return out
-
-
-def _compare(
-    actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], atol: float, rtol: float
-) -> tuple[float, float, float, bool]:
-    """Normwise comparison: (max abs err, max rel err, tol, passed); NaN fails."""
-    abs_err = 0.0
-    scale = 0.0
-    for a, e in zip(actual, expected, strict=True):
-        if a.shape != e.shape:
-            raise ValueError(f"check_grads: shape mismatch, {a.shape} against {e.shape}")
-        if a.size:
-            with np.errstate(invalid="ignore"):
-                diff = np.where(a == e, 0.0, np.abs(a - e))  # inf == inf agrees
-            abs_err = float(np.max([abs_err, np.max(diff)]))  # propagates NaN
-            finite = np.abs(e[np.isfinite(e)])
-            if finite.size:
-                scale = max(scale, float(np.max(finite)))
-    return _summarise(abs_err, scale, atol, rtol)
-
-
-def _summarise(
-    abs_err: float, scale: float, atol: float, rtol: float
-) -> tuple[float, float, float, bool]:
-    if scale > 0:
-        rel_err = abs_err / scale
-    else:
-        rel_err = 0.0 if abs_err == 0 else (math.nan if math.isnan(abs_err) else math.inf)
-    tol = atol + rtol * scale
-    return abs_err, rel_err, tol, bool(abs_err <= tol)
-
-
-def _inner(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray]) -> tuple[float, float]:
-    """(Re <x, y>, sum |x| |y|) over lists of arrays."""
-    val = 0.0
-    mag = 0.0
-    for x, y in zip(xs, ys, strict=True):
-        val += float(np.real(np.vdot(x, y)))
-        mag += float(np.sum(np.abs(x) * np.abs(y)))
-    return val, mag
-
-
-def _resolve_tol(tol: float | Mapping[str, float] | None, against: str, default: float) -> float:
-    if tol is None:
-        return default
-    if isinstance(tol, Mapping):
-        unknown = set(tol) - {FD, REFERENCE, JVP}
-        if unknown:
-            raise ValueError(
-                f"unknown tolerance keys {sorted(unknown)}; use {FD!r}, {REFERENCE!r}, {JVP!r}"
-            )
-        return float(tol.get(against, default))
-    return float(tol)
 
 
 _Leaves = list[jax.Array]
