@@ -58,6 +58,12 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
         "vmap, jacfwd, hessian, compile, RHS evals, error; float32 and float64)",
         {m: ["-m", "benchmarks.pendulum", f"--{m}"] for m in ("quick", "full")},
     ),
+    "stiff": (
+        "stiff problems of the IVP test set: odeint's kvaerno5 and rodas5p vs diffrax "
+        "Kvaerno5 and SciPy Radau/BDF/LSODA (forward, steps, error, grad, compile; "
+        "work-precision plot)",
+        {m: ["-m", "benchmarks.stiff", f"--{m}"] for m in ("quick", "full")},
+    ),
     "deq_memory": (
         "training-step memory and time: DEQ implicit vs unrolled (N iterations), "
         "NeuralODE vs diffrax (both adjoints)",

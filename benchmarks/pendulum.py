@@ -1,6 +1,6 @@
 """The damped pendulum: `solvers.odeint` against JAX's odeint, diffrax and SciPy.
 
-The problem (issue 5): the damped pendulum
+The problem, from JAX's own odeint benchmark: the damped pendulum
 
     d/dt [theta, omega] = [omega, -m omega - g sin(theta)],
     y0 = [pi - 0.1, 0],  ts = linspace(0, 10, 101),  m = 0.25,  g = 9.8,

@@ -1,0 +1,146 @@
+"""Assemble `docs/benchmarks.md` from one run of the suite.
+
+Usage::
+
+    python -m benchmarks            # writes results/*.md and results/*.png
+    python -m benchmarks.report     # docs/benchmarks.md and docs/img/*.png from them
+
+Every table on the page comes from the files the suite wrote in `results/`, so the
+page shows one run, dated by the files' modification time, with the settings and
+versions each entry recorded. The short notes between the tables say what each
+benchmark measures and how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import shutil
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+DOCS = ROOT / "docs"
+
+# (entry, note shown above its tables); the order is the page's order.
+SECTIONS: list[tuple[str, str]] = [
+    (
+        "newton_sqrt",
+        "`benchmarks/newton_sqrt.py`. Newton's square root written as a fixed point "
+        "(`fixed_point(lambda a, x: 0.5 * (x + a / x), a, a)`), against the same algorithm "
+        "as a hijax primitive, with `jax.custom_vjp`, jaxopt, optimistix, 20 unrolled "
+        "steps and `jnp.sqrt`: per-call medians at `a = 2`, "
+        "`jit(vmap(value_and_grad))` over a million values, and the compile time of "
+        "`jit(grad)`.",
+    ),
+    (
+        "pendulum",
+        "`benchmarks/pendulum.py`. The damped pendulum `[omega, -m omega - g sin(theta)]` "
+        "from `y0 = [pi - 0.1, 0]` over `linspace(0, 10, 101)`, against "
+        "`jax.experimental.ode.odeint`, diffrax and SciPy. `grad` is of `sum(ys)` with "
+        "respect to `(y0, m, g)`; `vmap` batches 256 initial angles; the error is at "
+        "`t = 10` against a DOP853 reference at 1e-13. Peers built on `jax.custom_vjp` "
+        "have no forward mode, hence their empty `jacfwd` and `hessian` cells.",
+    ),
+    (
+        "stiff",
+        "`benchmarks/stiff.py`. Stiff problems of the IVP test set, solved to their last "
+        "time by our two stiff methods, diffrax's Kvaerno5 and SciPy (given the "
+        "Jacobian). The error is against SciPy's Radau at `rtol = 1e-12`; `grad` is "
+        "`jit(grad)` of the sum of the final state with respect to the parameters.",
+    ),
+    (
+        "deq_memory",
+        "`benchmarks/deq_memory.py`. Training steps of a deep-equilibrium layer "
+        "(implicit backward pass against the same iterations unrolled) and of a neural "
+        "ODE (against diffrax with the matching adjoint). Memory is the compiled step's "
+        "temporary buffers. The `floor` rows are not solvers: they take the same number "
+        "of equal Tsit5 steps with our stage code in a `lax.scan` and nothing else (no "
+        "step-size control, no output times, no records), which is what any "
+        "recomputing adjoint must pay for the field itself.",
+    ),
+    (
+        "implicit_vs_unrolled",
+        "`benchmarks/implicit_vs_unrolled.py`. The gradient of a fixed point "
+        "`x* = c M tanh(x*) + theta` that takes exactly K iterations, by the implicit "
+        "rule (Neumann series or GMRES) and by unrolling, against jaxopt and optimistix: "
+        "time and XLA temporary memory. Implicit memory does not grow with K.",
+    ),
+    (
+        "dispatch",
+        "`benchmarks/dispatch.py`. What a custom rule costs per call and at compile time: "
+        "`implicitdiff.Primitive` against `jax.custom_vjp`, a raw hijax primitive and no "
+        "rule at all, on a trivial function and on an MLP training step.",
+    ),
+    (
+        "transformations",
+        "`benchmarks/transformations.py`. Every method of `fixed_point`, `root` and "
+        "`minimize` under each transformation, compared with closed forms in float64.",
+    ),
+    (
+        "gradcheck",
+        "`implicitdiff-gradcheck --full`. Every derivative mode up to second order of "
+        "each catalogue problem, against central finite differences and an independent "
+        "reference.",
+    ),
+]
+
+INTRO = """\
+# Benchmarks
+
+Every table below comes from one run of `python -m benchmarks` (the README's main
+job) on {date}; `python -m benchmarks.report` builds this page from the files that
+run wrote under `results/`. Each entry runs in its own process; times are medians of
+repeated calls, compile time is measured apart from run time, and ours and the peers
+run side by side in one process. Each section's first line records the versions, the
+machine and its load during that entry.
+"""
+
+
+def _strip_title(text: str) -> tuple[str, str]:
+    """Split a results file into its `## title` line and the rest."""
+    lines = text.strip().splitlines()
+    if lines and lines[0].startswith("## "):
+        return lines[0][3:].strip(), "\n".join(lines[1:]).strip()
+    return "", "\n".join(lines)
+
+
+def build(results: pathlib.Path = RESULTS, docs: pathlib.Path = DOCS) -> str:
+    """Return the page's markdown and copy the plots into `docs/img/`."""
+    present = [(name, note) for name, note in SECTIONS if (results / f"{name}.md").exists()]
+    if not present:
+        raise SystemExit(f"no results in {results}: run `python -m benchmarks` first")
+    stamps = [(results / f"{name}.md").stat().st_mtime for name, _ in present]
+    date = datetime.datetime.fromtimestamp(max(stamps), datetime.UTC).strftime("%Y-%m-%d")
+    parts = [INTRO.format(date=date)]
+    suite = results / "suite.md"
+    if suite.exists():
+        _, body = _strip_title(suite.read_text())
+        parts.append("## The run\n\n" + body)
+    (docs / "img").mkdir(parents=True, exist_ok=True)
+    for name, note in present:
+        title, body = _strip_title((results / f"{name}.md").read_text())
+        # The results files use `###` for their subsections already.
+        section = [f"## {title or name}", "", note, ""]
+        png = results / f"{name}.png"
+        if png.exists():
+            shutil.copyfile(png, docs / "img" / png.name)
+            section += [f"![{title or name}](img/{png.name})", ""]
+        section.append(body)
+        parts.append("\n".join(section))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--output", type=pathlib.Path, default=DOCS / "benchmarks.md")
+    opts = parser.parse_args(argv)
+    page = build(opts.results, opts.output.parent)
+    opts.output.write_text(page)
+    print(f"wrote {opts.output.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

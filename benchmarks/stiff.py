@@ -1,0 +1,404 @@
+"""Stiff problems of the IVP test set: `odeint`'s stiff methods against diffrax and SciPy.
+
+Problems (float64): ROBER to `t = 1e5`, HIRES, VDPOL with `eps = 1e-6`, OREGO and the
+Brusselator on a line of 64 points (128 states; `--full` adds 256 points). For each,
+the solution at the last time by
+
+- ours: `odeint(method="kvaerno5")` and `odeint(method="rodas5p")`;
+- diffrax: `Kvaerno5` with a PID controller at the same tolerances;
+- SciPy: `solve_ivp` with `Radau`, `BDF` and `LSODA`, given the Jacobian (compiled
+  by JAX, so that SciPy is not slowed by finite differences).
+
+Reported: forward time (median of repeats, compile time apart), accepted steps, the
+error at the last time against SciPy's Radau at `rtol = 1e-12` (largest component
+error relative to `max(|y_ref|, atol)`), the time of `jit(grad)` of `sum(y(T))` with
+respect to the parameters (ours: the checkpointed adjoint, the stiff methods'
+default; diffrax: its default `RecursiveCheckpointAdjoint`) and its compile time.
+A work-precision diagram (error against time over tolerances) goes to
+`results/stiff.png`.
+
+Usage::
+
+    python -m benchmarks.stiff            # --quick (default): a few minutes on 2 cores
+    python -m benchmarks.stiff --full     # larger Brusselator, more tolerances, repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import diffrax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from scipy.integrate import solve_ivp  # noqa: E402
+
+from benchmarks._env import cpus, loadavg  # noqa: E402
+from benchmarks._timing import fmt, interleaved, ratio, sci  # noqa: E402
+from benchmarks._workers import write_report  # noqa: E402
+from solvers import odeint  # noqa: E402
+from tests.solvers.stiff_problems import PROBLEMS, bruss, hires, orego, rober, vdpol  # noqa: E402
+
+NAME = "stiff"
+OURS = ("kvaerno5", "rodas5p")
+SCIPY = ("Radau", "BDF", "LSODA")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    f: object  # f(y, t, p, xp)
+    y0: tuple
+    p: tuple
+    t1: float
+    rtol: float
+    atol: float
+
+
+def _bruss_problem(n: int) -> Problem:
+    x = np.arange(1, n + 1) / (n + 1)
+    y0 = np.concatenate([1 + np.sin(2 * np.pi * x), 3 * np.ones(n)])
+    return Problem(f"BRUSS {n} ({2 * n})", bruss(n), tuple(y0), (1.0, 3.0, 0.02), 10.0, 1e-6, 1e-6)
+
+
+def problems(mode: str) -> list[Problem]:
+    def of(name):
+        return tuple(PROBLEMS[name]["y0"]), tuple(PROBLEMS[name]["p"])
+
+    out = [
+        Problem("ROBER (3)", rober, *of("rober"), 1e5, 1e-6, 1e-10),
+        Problem("HIRES (8)", hires, *of("hires"), 321.8122, 1e-6, 1e-6),
+        Problem("VDPOL (2)", vdpol, *of("vdpol"), 2.0, 1e-6, 1e-6),
+        Problem("OREGO (3)", orego, *of("orego"), 360.0, 1e-6, 1e-6),
+        _bruss_problem(64),
+    ]
+    if mode == "full":
+        out.append(_bruss_problem(256))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The implementations: each returns `solve(p) -> (y(T), steps)`, and `loss(p)`.
+
+
+def ours(prob: Problem, method: str, rtol: float, atol: float):
+    y0 = jnp.asarray(prob.y0)
+    ts = jnp.array([0.0, prob.t1])
+
+    def field(y, t, p):
+        return prob.f(y, t, p, jnp)
+
+    def solve(p):
+        ys, info = odeint(
+            field, y0, ts, p, method=method, rtol=rtol, atol=atol, mxstep=10**6, return_info=True
+        )
+        return ys[-1], info.steps
+
+    def loss(p):
+        ys = odeint(field, y0, ts, p, method=method, rtol=rtol, atol=atol, mxstep=10**6)
+        return jnp.sum(ys[-1])
+
+    return jax.jit(solve), loss
+
+
+def diffrax_kvaerno5(prob: Problem, rtol: float, atol: float):
+    y0 = jnp.asarray(prob.y0)
+    term = diffrax.ODETerm(lambda t, y, p: prob.f(y, t, p, jnp))
+    ctrl = diffrax.PIDController(rtol=rtol, atol=atol)
+
+    def run(p):
+        return diffrax.diffeqsolve(
+            term,
+            diffrax.Kvaerno5(),
+            0.0,
+            prob.t1,
+            None,
+            y0,
+            args=p,
+            stepsize_controller=ctrl,
+            saveat=diffrax.SaveAt(t1=True),
+            max_steps=10**6,
+        )
+
+    def solve(p):
+        sol = run(p)
+        return sol.ys[-1], sol.stats["num_accepted_steps"]
+
+    def loss(p):
+        return jnp.sum(run(p).ys[-1])
+
+    return jax.jit(solve), loss
+
+
+def scipy_solver(prob: Problem, method: str, rtol: float, atol: float):
+    p = np.asarray(prob.p)
+    jac = jax.jit(jax.jacfwd(lambda y: prob.f(y, 0.0, jnp.asarray(p), jnp)))
+    y0 = np.asarray(prob.y0)
+
+    def rhs(t, y):
+        return prob.f(y, t, p, np)
+
+    def jacobian(t, y):
+        return np.asarray(jac(jnp.asarray(y)))
+
+    def solve(_p=None):
+        # Without `t_eval` SciPy keeps every step: the last one is y(T).
+        sol = solve_ivp(rhs, (0.0, prob.t1), y0, method=method, rtol=rtol, atol=atol, jac=jacobian)
+        if not sol.success:
+            raise RuntimeError(sol.message)
+        return sol.y[:, -1], sol.t.size - 1
+
+    return solve
+
+
+def reference(prob: Problem) -> np.ndarray:
+    p = np.asarray(prob.p)
+    jac = jax.jit(jax.jacfwd(lambda y: prob.f(y, 0.0, jnp.asarray(p), jnp)))
+    sol = solve_ivp(
+        lambda t, y: prob.f(y, t, p, np),
+        (0.0, prob.t1),
+        np.asarray(prob.y0),
+        method="Radau",
+        rtol=1e-12,
+        atol=1e-14 * max(prob.atol / prob.rtol, 1e-2),
+        jac=lambda t, y: np.asarray(jac(jnp.asarray(y))),
+        t_eval=[prob.t1],
+    )
+    return sol.y[:, -1]
+
+
+def error(y, ref, atol) -> float:
+    y, ref = np.asarray(y), np.asarray(ref)
+    return float(np.max(np.abs(y - ref) / np.maximum(np.abs(ref), atol)))
+
+
+# ---------------------------------------------------------------------------
+# Measurements.
+
+
+@dataclasses.dataclass
+class Row:
+    impl: str
+    forward: float | None = None  # seconds
+    steps: int | None = None
+    err: float | None = None
+    grad: float | None = None
+    grad_compile: float | None = None
+    note: str = ""
+
+
+def _time_host(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
+    rounds = 5 if mode == "quick" else 15
+    p = jnp.asarray(prob.p)
+    rows: dict[str, Row] = {}
+    solves, losses = {}, {}
+    for m in OURS:
+        solves[f"ours ({m})"], losses[f"ours ({m})"] = ours(prob, m, prob.rtol, prob.atol)
+    solves["diffrax Kvaerno5"], losses["diffrax Kvaerno5"] = diffrax_kvaerno5(
+        prob, prob.rtol, prob.atol
+    )
+    for name, solve in solves.items():
+        log(f"  {prob.name}: {name} forward")
+        y, steps = jax.block_until_ready(solve(p))
+        rows[name] = Row(name, steps=int(steps), err=error(y, ref, prob.atol))
+    # Per-call medians, the implementations taking turns.
+    fast = {k: v for k, v in solves.items()}
+    med = interleaved(fast, rounds=rounds, block=1, budget=20.0, args=(p,))
+    for name, t in med.items():
+        rows[name].forward = t
+    for name, loss in losses.items():
+        log(f"  {prob.name}: {name} grad")
+        g = jax.jit(jax.grad(loss))
+        t0 = time.perf_counter()
+        compiled = g.lower(p).compile()
+        rows[name].grad_compile = time.perf_counter() - t0
+        gv = jax.block_until_ready(compiled(p))
+        if not np.all(np.isfinite(np.asarray(gv))):
+            rows[name].note = "non-finite gradient"
+        rows[name].grad = interleaved(
+            {name: compiled}, rounds=rounds, block=1, budget=20.0, args=(p,)
+        )[name]
+    for method in SCIPY:
+        name = f"scipy {method}"
+        log(f"  {prob.name}: {name}")
+        solve = scipy_solver(prob, method, prob.rtol, prob.atol)
+        try:
+            y, steps = solve()
+            row = Row(name, steps=int(steps), err=error(y, ref, prob.atol))
+            row.forward = _time_host(solve, 3 if mode == "quick" else 7)
+        except RuntimeError as e:
+            row = Row(name, note=f"failed: {e}")
+        rows[name] = row
+    return list(rows.values())
+
+
+def work_precision(prob: Problem, tols: list[float], ref: np.ndarray) -> dict[str, list]:
+    """(tolerance, time, error) per implementation over `tols` (atol as the problem's
+    ratio to rtol)."""
+    out: dict[str, list] = {}
+    p = jnp.asarray(prob.p)
+    for tol in tols:
+        atol = tol * prob.atol / prob.rtol
+        solves = {f"ours ({m})": ours(prob, m, tol, atol)[0] for m in OURS}
+        solves["diffrax Kvaerno5"] = diffrax_kvaerno5(prob, tol, atol)[0]
+        med = interleaved(solves, rounds=3, block=1, budget=10.0, args=(p,))
+        for name, solve in solves.items():
+            y, _ = solve(p)
+            out.setdefault(name, []).append((tol, med[name], error(y, ref, atol)))
+        for method in SCIPY:
+            solve = scipy_solver(prob, method, tol, atol)
+            try:
+                y, _ = solve()
+                t = _time_host(solve, 1)
+                out.setdefault(f"scipy {method}", []).append((tol, t, error(y, ref, atol)))
+            except RuntimeError:
+                pass
+        log(f"  work-precision {prob.name} tol {tol:.0e} done")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Report.
+
+
+def render(results, tols, mode: str, seconds: float, loads) -> str:
+    versions = (
+        f"jax {jax.__version__}, diffrax {importlib.metadata.version('diffrax')}, "
+        f"scipy {importlib.metadata.version('scipy')}, backend {jax.default_backend()}, "
+        f"{cpus()}, Python {platform.python_version()}; mode --{mode}; run took "
+        f"{seconds:.0f} s; load average {loads[0]:.1f} at the start, {loads[1]:.1f} at the end."
+    )
+    lines = [
+        "## Stiff problems: odeint's stiff methods against diffrax and SciPy",
+        "",
+        versions,
+        "",
+    ]
+    goals = []
+    for prob, rows in results:
+        lines += [
+            f"### {prob.name}, to t = {prob.t1:g}, rtol {prob.rtol:g}, atol {prob.atol:g}",
+            "",
+            "| implementation | forward (ms) | steps | error at T | grad (ms) | "
+            "grad / forward | jit(grad) compile (s) | note |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in rows:
+            ms = None if r.forward is None else 1e3 * r.forward
+            gms = None if r.grad is None else 1e3 * r.grad
+            gf = None if r.grad is None or not r.forward else r.grad / r.forward
+            lines.append(
+                f"| {r.impl} | {fmt(ms)} | {r.steps if r.steps is not None else 'n/a'} | "
+                f"{sci(r.err)} | {fmt(gms)} | {ratio(gf) if gf else 'n/a'} | "
+                f"{fmt(r.grad_compile)} | {r.note} |"
+            )
+        lines.append("")
+        by = {r.impl: r for r in rows}
+        dfx = by["diffrax Kvaerno5"]
+        best_ours = min((by[f"ours ({m})"] for m in OURS), key=lambda r: r.forward or math.inf)
+        sp = [by[f"scipy {m}"] for m in SCIPY if by[f"scipy {m}"].forward]
+        best_sp = min(sp, key=lambda r: r.forward) if sp else None
+        goals.append(
+            f"- {prob.name}: best of ours ({best_ours.impl}) "
+            f"{ratio(best_ours.forward / dfx.forward)} diffrax's forward time (goal <= 0.2x)"
+            + (
+                f", {ratio(best_ours.forward / best_sp.forward)} SciPy's best "
+                f"({best_sp.impl}, error {sci(best_sp.err)} vs ours {sci(best_ours.err)})"
+                if best_sp
+                else ""
+            )
+            + f"; grad {ratio(best_ours.grad / best_ours.forward)} its forward (goal <= 3x); "
+            f"jit(grad) compile {ratio(best_ours.grad_compile / dfx.grad_compile)} diffrax's "
+            "(goal < 1x)"
+        )
+    lines += ["Goals (ratios of this run):", "", *goals, ""]
+    lines += [
+        "Work-precision: error at T against forward time over the tolerances "
+        f"{', '.join(f'{t:.0e}' for t in tols)} (atol in each problem's ratio to rtol), "
+        "in `stiff.png`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(wp, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(wp), figsize=(5.5 * len(wp), 4.2), squeeze=False)
+    for ax, (name, curves) in zip(axes[0], wp.items()):
+        for impl, pts in curves.items():
+            pts = sorted(pts)
+            ax.loglog(
+                [1e3 * t for _, t, _ in pts],
+                [max(e, 1e-16) for *_, e in pts],
+                "o-",
+                label=impl,
+                lw=2.2 if impl.startswith("ours") else 1.2,
+            )
+        ax.set_title(name)
+        ax.set_xlabel("forward time (ms)")
+        ax.set_ylabel("error at T")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full")
+    parser.set_defaults(mode="quick")
+    opts = parser.parse_args(argv)
+    start, load0 = time.perf_counter(), loadavg()
+    log(f"stiff benchmark (--{opts.mode}), {cpus()}")
+    results = []
+    refs = {}
+    for prob in problems(opts.mode):
+        log(f"{prob.name}: reference (SciPy Radau, rtol 1e-12)")
+        refs[prob.name] = reference(prob)
+        results.append((prob, measure(prob, opts.mode, refs[prob.name])))
+    tols = (
+        [1e-4, 1e-6, 1e-8] if opts.mode == "quick" else [1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10]
+    )
+    wp = {}
+    for prob, _ in results[:2] if opts.mode == "quick" else results:
+        wp[prob.name] = work_precision(prob, tols, refs[prob.name])
+    report = render(results, tols, opts.mode, time.perf_counter() - start, (load0, loadavg()))
+    write_report(NAME, report, lambda png: plot(wp, png))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
