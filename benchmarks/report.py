@@ -22,6 +22,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 DOCS = ROOT / "docs"
 
+# Titles for the entries whose results file has none.
+TITLES = {
+    "transformations": "Every solver under every transformation",
+    "gradcheck": "Gradient checks of the problem catalogue",
+}
+
 # (entry, note shown above its tables); the order is the page's order.
 SECTIONS: list[tuple[str, str]] = [
     (
@@ -115,17 +121,18 @@ def build(results: pathlib.Path = RESULTS, docs: pathlib.Path = DOCS) -> str:
     parts = [INTRO.format(date=date)]
     suite = results / "suite.md"
     if suite.exists():
-        _, body = _strip_title(suite.read_text())
-        parts.append("## The run\n\n" + body)
+        title, body = _strip_title(suite.read_text())
+        parts.append(f"## The run: {title[0].lower() + title[1:]}\n\n{body}" if title else body)
     (docs / "img").mkdir(parents=True, exist_ok=True)
     for name, note in present:
         title, body = _strip_title((results / f"{name}.md").read_text())
         # The results files use `###` for their subsections already.
-        section = [f"## {title or name}", "", note, ""]
+        title = title or TITLES.get(name, name)
+        section = [f"## {title}", "", note, ""]
         png = results / f"{name}.png"
         if png.exists():
             shutil.copyfile(png, docs / "img" / png.name)
-            section += [f"![{title or name}](img/{png.name})", ""]
+            section += [f"![{title}](img/{png.name})", ""]
         section.append(body)
         parts.append("\n".join(section))
     return "\n\n".join(parts) + "\n"

@@ -67,8 +67,10 @@ def odeint(
         hmax: the largest step size.
         method: a method object from `solvers.ode.methods` or its name:
             `"dopri5"` (default), `"tsit5"`, `"bosh3"`, `"dopri8"` (explicit
-            adaptive), `"kvaerno5"` (adaptive ESDIRK for stiff problems; its stage
-            equations are solved by Newton's method), or `"rk4"`/`"euler"` (fixed
+            adaptive), `"rodas5p"` (adaptive Rosenbrock for stiff problems: one
+            Jacobian and one factorisation per step, no iteration), `"kvaerno5"`
+            (adaptive ESDIRK for stiff problems; its stage equations are solved by
+            Newton's method), or `"rk4"`/`"euler"` (fixed
             step `dt`); see `solvers.ode.methods.METHODS` for every registered name.
             Every method steps exactly onto each `t[i]` unless `interpolate=True`.
         dt: the step of `"rk4"` and `"euler"` (required for them); steps are

@@ -229,7 +229,7 @@ def failure_check(x, info: ODEInfo, cfg: Config):
         + "; 2: non-finite values in the state or in func; "
         "4: step size underflow, the step size fell below the resolution of t: a "
         "singularity, or a stiff problem for an explicit method). To fix it: raise "
-        "`mxstep`/`max_steps`, loosen `rtol`/`atol`, use method='kvaerno5' for stiff "
+        "`mxstep`/`max_steps`, loosen `rtol`/`atol`, use method='rodas5p' or 'kvaerno5' for stiff "
         "problems, or check func and its inputs for NaN. Pass throw=False with "
         "return_info=True to get the status instead (the rows not reached are NaN)."
         + (

@@ -146,7 +146,7 @@ def steady_state(
             ode_status != SUCCESS,
             "steady_state: the integration phase failed before {elapsed:.4g} time units: "
             "odeint status {status} (" + codes + "). The state may blow up in finite time "
-            "from y0, or the system be stiff (try method='kvaerno5'); check func and its "
+            "from y0, or the system be stiff (try method='rodas5p'); check func and its "
             "inputs for NaN.",
             values={"status": ode_status, "elapsed": elapsed},
         )
