@@ -176,6 +176,9 @@ def odeint_event(
             steps=stats.steps,
             rejected=stats.rejected,
             num_fevals=stats.num_fevals,
+            num_jacobians=stats.num_jacobians,
+            num_factorisations=stats.num_factorisations,
+            num_stage_failures=stats.num_stage_failures,
             t_final=jax.lax.stop_gradient(t_event),
             status=status.astype(jnp.int32),
         )

@@ -22,6 +22,12 @@ class ODEInfo(eqx.Module):
         num_fevals: evaluations of `func`: at `t[0]`, for the first step size, and by
             every step attempt (an implicit method also spends evaluations in its
             Newton iterations and Jacobians, not counted here).
+        num_jacobians: Jacobians of `func` evaluated (one per attempt of an implicit
+            method, none for an explicit one).
+        num_factorisations: factorisations of the stage matrices `I - h gamma J`
+            (one per distinct diagonal value per attempt).
+        num_stage_failures: attempts rejected because their stage equations were
+            not solved (Newton's iteration diverged or ran out of iterations).
         t_final: the time reached (`t[-1]` on success).
         status: `SUCCESS` (0), `MAX_STEPS` (1: `mxstep` attempts in one output
             interval, or more than `max_steps` steps recorded for the checkpointed
@@ -32,6 +38,9 @@ class ODEInfo(eqx.Module):
     steps: Int[Array, ...]
     rejected: Int[Array, ...]
     num_fevals: Int[Array, ...]
+    num_jacobians: Int[Array, ...]
+    num_factorisations: Int[Array, ...]
+    num_stage_failures: Int[Array, ...]
     t_final: Float[Array, ...]
     status: Int[Array, ...]
 

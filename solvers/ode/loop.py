@@ -175,6 +175,7 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
         h=h_new,
         acc=acc,
         rej=s.rej + (live & ~accept).astype(jnp.int32),
+        failed=s.failed + (live & ~ok).astype(jnp.int32),
         tries=tries,
         status=status.astype(jnp.int32),
         g=g,
@@ -232,7 +233,9 @@ def initial_state(cfg: LoopConfig, f, y0, ts, params) -> tuple[StepState, Record
     zero = jnp.asarray(0, jnp.int32)
     status0 = jnp.where(jnp.all(jnp.isfinite(k0)), SUCCESS, NONFINITE).astype(jnp.int32)
     g0 = None if cfg.event is None else jnp.sign(cfg.event(y0, t0, params))
-    state = StepState(t=t0, y=y0, k=k0, h=h0, acc=zero, rej=zero, tries=zero, status=status0, g=g0)
+    state = StepState(
+        t=t0, y=y0, k=k0, h=h0, acc=zero, rej=zero, failed=zero, tries=zero, status=status0, g=g0
+    )
     rec = None
     if cfg.record:
         n, dt = y0.shape[0], y0.dtype

@@ -97,10 +97,14 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None) -> Integration:
     # f(y0, t0), the trial point of the first step size (adaptive methods), and each
     # attempt's own evaluations.
     first = 1 + int(method.adaptive)
+    attempts = state.acc + state.rej
     info = ODEInfo(
         steps=state.acc,
         rejected=state.rej,
-        num_fevals=(first + method.evals_per_step * (state.acc + state.rej)).astype(jnp.int32),
+        num_fevals=(first + method.evals_per_step * attempts).astype(jnp.int32),
+        num_jacobians=(method.jacobians_per_step * attempts).astype(jnp.int32),
+        num_factorisations=(method.factorisations_per_step * attempts).astype(jnp.int32),
+        num_stage_failures=state.failed,
         t_final=state.t,
         status=state.status,
     )

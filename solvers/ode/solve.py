@@ -161,7 +161,14 @@ class ODESolve(Primitive):
 def _info_avals(tdt):
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
     return ODEInfo(
-        steps=i32, rejected=i32, num_fevals=i32, t_final=jax.ShapeDtypeStruct((), tdt), status=i32
+        steps=i32,
+        rejected=i32,
+        num_fevals=i32,
+        num_jacobians=i32,
+        num_factorisations=i32,
+        num_stage_failures=i32,
+        t_final=jax.ShapeDtypeStruct((), tdt),
+        status=i32,
     )
 
 

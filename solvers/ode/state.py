@@ -18,6 +18,8 @@ class StepState(eqx.Module):
         h: the next step size to try.
         acc: accepted steps.
         rej: rejected attempts.
+        failed: attempts whose stage equations were not solved (an implicit method's
+            Newton iteration diverged or ran out of iterations).
         tries: attempts since the last output time (for `mxstep`).
         status: the status code (`solvers.ode.info`).
         g: the sign of the event function at `(t, y)` (an event search), else `None`.
@@ -29,6 +31,7 @@ class StepState(eqx.Module):
     h: Float[Array, ...]
     acc: Int[Array, ...]
     rej: Int[Array, ...]
+    failed: Int[Array, ...]
     tries: Int[Array, ...]
     status: Int[Array, ...]
     g: Array | None = None

@@ -36,6 +36,7 @@ def _dense(func, y0, *args, **kw):
         ("bosh3", dict(rtol=1e-9, atol=1e-9, max_steps=2048), 2e-6),
         ("kvaerno5", {}, 2e-6),
         ("rodas5p", {}, 2e-6),
+        ("rodas4", {}, 2e-6),
         ("rk4", dict(dt=1 / 32), 2e-6),
     ],
 )

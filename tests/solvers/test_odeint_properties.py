@@ -31,6 +31,7 @@ OPTIONS = {
     "dopri8": (dict(rtol=1e-10, atol=1e-10), 1e-6),
     "kvaerno5": (dict(rtol=1e-10, atol=1e-10), 1e-6),
     "rodas5p": (dict(rtol=1e-10, atol=1e-10), 1e-6),
+    "rodas4": (dict(rtol=1e-9, atol=1e-9), 1e-5),
     "rk4": (dict(dt=1 / 128), 1e-6),
     "euler": (dict(dt=1 / 2048), 5e-3),
 }

@@ -60,14 +60,21 @@ def _point(name):
 # checked against `10 n rtol`, relative to the largest entry.
 
 
-@pytest.mark.parametrize("method", ["kvaerno5", "rodas5p"])
-@pytest.mark.parametrize(
-    "name",
-    ["rober", "hires", "bruss16", pytest.param("orego", marks=pytest.mark.slow)],
-)
+def _reference_cases():
+    fast = {"rober", "hires", "bruss16"}
+    for method in ("kvaerno5", "rodas5p", "rodas4"):
+        for name in ("rober", "hires", "bruss16", "orego"):
+            slow = name not in fast or (method == "rodas4" and name != "rober")
+            yield pytest.param(name, method, id=f"{name}-{method}",
+                               marks=[pytest.mark.slow] if slow else [])  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "method"), list(_reference_cases()))
 def test_derivatives_match_scipy_references(x64, name, method):
     rtol = 1e-8
-    loss, steps = _loss(name, rtol, method)
+    # A 4th-order method takes many steps at this tolerance (OREGO: over 4096).
+    kw = dict(max_steps=16384) if method == "rodas4" else {}
+    loss, steps = _loss(name, rtol, method, **kw)
     p, y0 = _point(name)
     ref = REFS[name]
     n = int(jax.jit(steps)(p, y0))
@@ -102,6 +109,32 @@ def test_forward_mode_through_steps_whose_newton_iteration_fails(x64):
     fwd = jax.jit(jax.jacfwd(y3))(p)
     assert np.all(np.isfinite(fwd))
     np.testing.assert_allclose(fwd, g, rtol=1e-8, atol=1e-12 * np.max(np.abs(g)))
+
+
+@pytest.mark.parametrize("method", ["kvaerno5", "rodas5p", "dopri5"])
+def test_info_counts_jacobians_factorisations_and_stage_failures(x64, method):
+    """ROBER at a loose tolerance: kvaerno5 rejects some attempts because Newton's
+    iteration fails; a Rosenbrock method has no iteration to fail; an explicit method
+    evaluates no Jacobian."""
+    prob = PROBLEMS["rober"]
+
+    def f(y, t, p):
+        return prob["f"](y, t, p, jnp)
+
+    span = jnp.array([0.0, 100.0]) if method != "dopri5" else jnp.array([0.0, 1e-3])
+    _, info = jax.jit(
+        lambda p: odeint(f, jnp.asarray(prob["y0"]), span, p, method=method, rtol=1e-6,
+                         atol=1e-10, mxstep=10**5, return_info=True)
+    )(jnp.asarray(prob["p"]))  # fmt: skip
+    attempts = int(info.steps) + int(info.rejected)
+    implicit = method != "dopri5"
+    assert int(info.num_jacobians) == implicit * attempts
+    assert int(info.num_factorisations) == implicit * attempts  # one diagonal value
+    failures = int(info.num_stage_failures)
+    if method == "kvaerno5":
+        assert 0 < failures <= int(info.rejected)
+    else:
+        assert failures == 0
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from .dopri8 import Dopri8
 from .euler import Euler
 from .kvaerno5 import Kvaerno5
 from .rk4 import RK4
+from .rodas4 import Rodas4
 from .rodas5p import Rodas5P
 from .tsit5 import Tsit5
 
@@ -50,6 +51,7 @@ __all__ = [
     "Dopri8",
     "Kvaerno5",
     "Rodas5P",
+    "Rodas4",
     "RK4",
     "Euler",
     "METHODS",
@@ -69,7 +71,17 @@ def register(method: AbstractMethod) -> AbstractMethod:
     return method
 
 
-for _method in (Dopri5(), Tsit5(), Bosh3(), Dopri8(), Kvaerno5(), Rodas5P(), RK4(), Euler()):
+for _method in (
+    Dopri5(),
+    Tsit5(),
+    Bosh3(),
+    Dopri8(),
+    Kvaerno5(),
+    Rodas5P(),
+    Rodas4(),
+    RK4(),
+    Euler(),
+):
     register(_method)
 
 

@@ -111,6 +111,16 @@ class AbstractMethod(abc.ABC):
         """Evaluations of `f` a step makes outside any Newton iteration and Jacobian."""
 
     @property
+    def jacobians_per_step(self) -> int:
+        """Jacobians of `f` a step attempt evaluates."""
+        return int(self.implicit)
+
+    @property
+    def factorisations_per_step(self) -> int:
+        """Factorisations of a stage matrix a step attempt makes."""
+        return int(self.implicit)
+
+    @property
     def interpolation(self) -> Any:
         """diffrax's class for the method's own continuous extension (a polynomial in
         the stages), or `None` for the cubic Hermite interpolant through the values

@@ -88,6 +88,11 @@ class ESDIRK(TableauMethod):
         return tab.c[-1] == 1.0 and tuple(tab.a[-1]) + (tab.gamma[-1],) == tuple(tab.b)
 
     @property
+    def factorisations_per_step(self) -> int:
+        # One per distinct diagonal value of the implicit stages.
+        return len(set(self.tableau.gamma[1:]))
+
+    @property
     def evals_per_step(self) -> int:
         return 0 if self.stiffly_accurate else 1
 
