@@ -1,7 +1,7 @@
 """Linear solvers for the tangent and adjoint systems of implicit differentiation.
 
 Each method is a class, a subclass of `LinearSolver` whose fields are its options:
-`Dense`, `CG`, `NormalCG`, `GMRES`, `BiCGStab`, `Neumann` and `Auto`. A solver
+`Dense`, `Banded`, `CG`, `NormalCG`, `GMRES`, `BiCGStab`, `Neumann` and `Auto`. A solver
 
 - prepares once and solves many times: `state = solver.init(matvec, b_like)` (for `Dense`,
   the LU factorisation), then `solver.solve(state, b)` and `solver.transpose_solve(state, b)`
@@ -36,6 +36,8 @@ Which solver to use:
 | Situation                                                        | Solver                        |
 |------------------------------------------------------------------|-------------------------------|
 | Up to a few hundred unknowns                                     | `Dense` (LU, exact)           |
+| Banded (locally coupled: semi-discretised PDEs, chains)          | `Banded(lower, upper)` (band  |
+|                                                                  | LU from a few matvecs)        |
 | Unsure                                                           | `Auto` (dense / cg / gmres)   |
 | Large, symmetric positive definite (convex Hessians, J^T J + cI) | `CG`                          |
 | Large, non-symmetric                                             | `GMRES`, or `BiCGStab`        |
@@ -80,6 +82,7 @@ Example:
 """
 
 from ._auto import AUTO_DENSE_MAX_SIZE, Auto, auto, auto_method
+from ._banded import Banded, BandedState
 from ._base import LinearSolver
 from ._checks import RESIDUAL_SLACK
 from ._dense import Dense, DenseState, dense
@@ -94,6 +97,8 @@ __all__ = [
     "IterativeSolver",
     "Dense",
     "DenseState",
+    "Banded",
+    "BandedState",
     "CG",
     "NormalCG",
     "GMRES",

@@ -11,25 +11,73 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.flatten_util import ravel_pytree
+
+from implicitdiff import custom_jvp
 
 __all__ = ["FlatField", "TangentField", "AdjointField"]
 
 
 class FlatField:
     """`func` on the flat state: `f(y, t, pd, pn)`, with `pd`/`pn` the differentiable
-    and other leaves of `(consts, args)`."""
+    and other leaves of `(consts, args)`.
 
-    def __init__(self, f_conv, unravel, ptree, is_diff, dtype):
+    With `jac_conv` (the user's `jac`, closure-converted like `func`), the field's
+    derivative with respect to `y` is the product with that matrix, in every mode:
+    the stage matrices of the implicit methods, forward sensitivities and adjoints all
+    use it. The derivatives with respect to `t` and the parameters still come from
+    `func` by automatic differentiation."""
+
+    def __init__(self, f_conv, unravel, ptree, is_diff, dtype, jac_conv=None):
         self.f_conv, self.unravel, self.ptree = f_conv, unravel, ptree
         self.is_diff, self.dtype = is_diff, dtype
+        self.jac_conv = jac_conv
+        if jac_conv is not None:
+            self._with_jac = custom_jvp(self.evaluate)
+            self._with_jac.defjvp(self._jvp_with_jac, symbolic_zeros=True)
 
-    def __call__(self, y, t, pd, pn):
+    def _split(self, pd, pn):
         it_d, it_n = iter(pd), iter(pn)
         leaves = [next(it_d) if d else next(it_n) for d in self.is_diff]
-        consts, args = jax.tree_util.tree_unflatten(self.ptree, leaves)
+        return jax.tree_util.tree_unflatten(self.ptree, leaves)
+
+    def evaluate(self, y, t, pd, pn):
+        """`func` on the flat state, differentiated by automatic differentiation."""
+        consts, args = self._split(pd, pn)
         out = self.f_conv(consts, self.unravel(y), t, *args)
         return ravel_pytree(out)[0].astype(self.dtype)
+
+    def jacobian(self, y, t, pd, pn):
+        """The user's Jacobian `d func / d y` as an `(n, n)` matrix on the flat state."""
+        consts, args = self._split(pd, pn)
+        n = y.shape[0]
+        return jnp.reshape(self.jac_conv(consts, self.unravel(y), t, *args), (n, n)).astype(
+            self.dtype
+        )
+
+    def __call__(self, y, t, pd, pn):
+        if self.jac_conv is None:
+            return self.evaluate(y, t, pd, pn)
+        return self._with_jac(y, t, pd, pn)
+
+    def _jvp_with_jac(self, primals, tangents):
+        y, t, pd, pn = primals
+        dy, dt, dpd, _ = tangents
+        zero = lambda x: isinstance(x, SymbolicZero)  # noqa: E731
+        dense = lambda x: jnp.zeros(x.shape, x.dtype) if zero(x) else x  # noqa: E731
+        if zero(dt) and all(zero(d) for d in dpd):
+            out = self.evaluate(y, t, pd, pn)
+            tangent = jnp.zeros_like(out)
+        else:
+            out, tangent = jax.jvp(
+                lambda t, pd: self.evaluate(y, t, pd, pn),
+                (t, tuple(pd)),
+                (dense(dt), tuple(dense(d) for d in dpd)),
+            )
+        if not zero(dy):
+            tangent = tangent + self.jacobian(y, t, pd, pn) @ dy.astype(self.dtype)
+        return out, tangent
 
 
 class TangentField:

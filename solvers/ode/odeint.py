@@ -8,6 +8,7 @@ forward mode, the adjoint object's rules in reverse mode.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,8 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import error_if
 from implicitdiff.internal import closure_convert
+from implicitdiff.linear_solve import LinearSolver
+from implicitdiff.linear_solve import resolve as resolve_linear_solver
 
 from .._checks import not_in_checked_shard_map, static_bool, static_int, status_returned
 from .adjoints import AbstractAdjoint, resolve_adjoint
@@ -48,6 +51,8 @@ def odeint(
     progress: bool = False,
     dense: bool = False,
     interpolate: bool = False,
+    jac: Callable[..., Any] | None = None,
+    linear_solver: str | LinearSolver | None = None,
 ) -> Any:
     """Integrate `dy/dt = func(y, t, *args)` from `y(t[0]) = y0`; output at every `t[i]`.
 
@@ -114,6 +119,22 @@ def odeint(
             the interpolant's error, so they are a little less accurate than step
             ends. Forward mode and `adjoint="checkpoint"` give the exact derivative
             of these outputs; `"backsolve"` the continuous adjoint, as always.
+        jac: the Jacobian of `func` with respect to `y`, `jac(y, t, *args)`, an
+            `(n, n)` array on the flattened state (`jax.flatten_util.ravel_pytree`
+            order; for an array `y` of shape `s`, shape `s + s` also works). It
+            replaces automatic differentiation of `func` in `y` everywhere: the
+            implicit methods' stage matrices, forward sensitivities and adjoints.
+            Derivatives in `t` and `args` still differentiate `func`. Default:
+            automatic differentiation.
+        linear_solver: how an implicit method (`"rodas5p"`, `"rodas4"`, `"kvaerno5"`)
+            solves with its stage matrix `I - h gamma J`: a solver from
+            `implicitdiff.linear_solve` or its name: `Dense()` (LU on the matrix
+            built from `n` Jacobian-vector products; the default), `Banded(lower,
+            upper)` (a band built from `lower + upper + 1` products, for
+            semi-discretised PDEs and other locally coupled systems of hundreds of
+            states and more), or `"gmres"`/`"bicgstab"` (matrix-free, for very large
+            systems). Build it with `throw=False`, as the default is: a singular
+            stage matrix then rejects the step instead of raising.
 
     Returns:
         The solution, a pytree like `y0` with a leading axis of length `len(t)`, or
@@ -153,6 +174,9 @@ def odeint(
             "odeint: `dense=True` already returns the interpolant over the whole span; "
             "pass either dense=True or interpolate=True, not both"
         )
+    m = _with_linear_solver(m, linear_solver)
+    if jac is not None and not callable(jac):
+        raise TypeError(f"odeint: `jac` must be callable as jac(y, t, *args), got {jac!r}")
     adjoint = resolve_adjoint(name, adjoint, m, max_steps)
     if m.adaptive:
         if dt is not None:
@@ -188,7 +212,18 @@ def odeint(
 
     # Trace `func` once: to check what it returns, and to hoist the traced values it
     # closes over so that they become differentiated inputs of the primitive.
-    f_conv, consts, _ = closure_convert(lambda y, s, *a: func(y, s, *a), y0, t[0], *args)
+    if jac is None:
+        f_conv, consts, _ = closure_convert(lambda y, s, *a: func(y, s, *a), y0, t[0], *args)
+        jac_conv = None
+    else:
+        # One conversion for both, so that they share the hoisted values; each use
+        # keeps only its own half of the traced pair.
+        both, consts, _ = closure_convert(
+            lambda y, s, *a: (func(y, s, *a), jac(y, s, *a)), y0, t[0], *args
+        )
+        f_conv = lambda c, y, s, *a: both(c, y, s, *a)[0]  # noqa: E731
+        jac_conv = lambda c, y, s, *a: both(c, y, s, *a)[1]  # noqa: E731
+        _check_jac(jax.eval_shape(jac_conv, consts, y0, t[0], *args), y_flat)
     out = jax.eval_shape(f_conv, consts, y0, t[0], *args)
     _check_field(out, y_flat)
 
@@ -197,7 +232,7 @@ def odeint(
     is_diff = tuple(jnp.issubdtype(p.dtype, jnp.inexact) for p in params)
     pd = tuple(p for p, d in zip(params, is_diff) if d)
     pn = tuple(p for p, d in zip(params, is_diff) if not d)
-    field = FlatField(f_conv, unravel, ptree, is_diff, y_flat.dtype)
+    field = FlatField(f_conv, unravel, ptree, is_diff, y_flat.dtype, jac_conv)
     loop = LoopConfig(
         method=m,
         rtol=rtol,
@@ -240,6 +275,46 @@ def _check_field(out: Any, y_flat: Any) -> None:
             f"as many numbers as `y0` ({y_flat.shape[0]}, usually the same pytree), got "
             f"{desc}"
         )
+
+
+def _check_jac(out: Any, y_flat: Any) -> None:
+    n = y_flat.shape[0]
+    leaves = jax.tree_util.tree_leaves(out)
+    if (
+        len(leaves) != 1
+        or int(np.prod(leaves[0].shape)) != n * n
+        or not jnp.issubdtype(leaves[0].dtype, jnp.inexact)
+    ):
+        desc = [f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves]
+        raise TypeError(
+            f"odeint: `jac(y0, t[0], *args)` must return one floating-point array of "
+            f"shape ({n}, {n}), the Jacobian of `func` on the flattened state, got {desc}"
+        )
+
+
+def _with_linear_solver(method: AbstractMethod, linear_solver: Any) -> AbstractMethod:
+    """`method` with its stage solves done by `linear_solver` (None: as it is)."""
+    if linear_solver is None:
+        return method
+    if not any(f.name == "linear_solver" for f in dataclasses.fields(method)):
+        implicit = tuple(k for k, m in METHODS.items() if hasattr(m, "linear_solver"))
+        raise ValueError(
+            f"odeint: `linear_solver` is for the implicit methods {implicit}; "
+            f"method={method.name!r} solves no linear systems"
+        )
+    solver = resolve_linear_solver(
+        linear_solver, "odeint: `linear_solver`", choices=("dense", "gmres", "bicgstab")
+    )
+    if not isinstance(solver, LinearSolver):
+        raise TypeError(
+            "odeint: `linear_solver` must be a linear_solve.LinearSolver (it prepares the "
+            "stage matrix once per step and solves many times), e.g. "
+            f"linear_solve.Banded(lower=2, upper=2, throw=False), got {linear_solver!r}"
+        )
+    if isinstance(linear_solver, str) and dataclasses.is_dataclass(solver):
+        if any(f.name == "throw" for f in dataclasses.fields(solver)):
+            solver = dataclasses.replace(solver, throw=False)
+    return dataclasses.replace(method, linear_solver=solver)
 
 
 def positive(name: str, arg: str, value: Any) -> float:

@@ -19,7 +19,18 @@ import abc
 import dataclasses
 from typing import Any
 
-__all__ = ["AbstractMethod", "ButcherTableau", "StageTolerance"]
+import jax
+
+__all__ = ["AbstractMethod", "ButcherTableau", "StageTolerance", "jacobian_product"]
+
+
+def jacobian_product(f, y, t, params):
+    """`v -> J v` with `J` the Jacobian of `f(., t, params)` at `y`: the stage
+    matrices of the implicit methods are built from it, so that a linear solver
+    evaluates only the products it needs (`n` for a dense matrix, a few for a band,
+    one per iteration for a Krylov method). The field's own derivative rule is used
+    when it has one (`odeint(jac=...)`)."""
+    return lambda v: jax.jvp(lambda u: f(u, t, params), (y,), (v,))[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
 
 from implicitdiff import custom_root, linear_solve
+from implicitdiff.linear_solve import LinearSolver
 
-from ._base import StageTolerance
+from ._base import StageTolerance, jacobian_product
 from ._runge_kutta import TableauMethod, combine
 
 __all__ = ["ESDIRK", "NEWTON_ITERS", "NEWTON_KAPPA"]
@@ -66,7 +66,15 @@ class ESDIRK(TableauMethod):
             name="esdirk21",
         )
         ```
+
+    Attributes:
+        linear_solver: how the Newton iteration and the stages' derivatives solve
+            with `I - h gamma J`, a solver from `implicitdiff.linear_solve`: `Dense`
+            (LU, the default), `Banded`, or a Krylov method such as `GMRES`. Give it
+            `throw=False` (a failed stage solve rejects the step).
     """
+
+    linear_solver: LinearSolver = linear_solve.Dense(throw=False)
 
     def __post_init__(self):
         tab = self.tableau
@@ -101,10 +109,20 @@ class ESDIRK(TableauMethod):
         tab = self.tableau
         n, dt = y.shape[0], y.dtype
         rdt = jnp.finfo(dt).dtype
-        jac = jax.lax.stop_gradient(jax.jacfwd(lambda v: f(v, t, params))(jax.lax.stop_gradient(y)))
-        eye = jnp.eye(n, dtype=dt)
+        # The iteration matrices `I - h gamma J`, one per distinct diagonal, prepared by
+        # the linear solver from Jacobian-vector products at the step's start. They only
+        # steer the iteration (its derivative is implicit), so no gradient flows
+        # through them.
+        solver = self.linear_solver
+        jvp = jacobian_product(
+            f, jax.lax.stop_gradient(y), t, jax.tree_util.tree_map(jax.lax.stop_gradient, params)
+        )
         lus = {
-            g: jsl.lu_factor(eye - jnp.asarray(h * g, dt) * jac) for g in sorted(set(tab.gamma[1:]))
+            g: jax.tree_util.tree_map(
+                jax.lax.stop_gradient,
+                solver.init(lambda v, hg=jnp.asarray(h * g, dt): v - hg * jvp(v), y),
+            )
+            for g in sorted(set(tab.gamma[1:]))
         }
         size = n if tol.size is None else tol.size
         eps = float(jnp.finfo(rdt).eps)
@@ -116,7 +134,7 @@ class ESDIRK(TableauMethod):
         def newton(res, z0, lu, eta0):
             def body(carry):
                 z, _, it, prev, eta = carry
-                dz = jsl.lu_solve(lu, -res(z))
+                dz = solver.solve(lu, -res(z))
                 z = z + dz
                 size_k = weighted_norm(dz, z)
                 theta = size_k / prev
@@ -142,11 +160,11 @@ class ESDIRK(TableauMethod):
             return z, (state == _CONVERGED, eta)
 
         # The stage equations' derivatives: the residual's Jacobian at the stage value,
-        # factorised once (in reverse mode, for the forward and the transposed solve).
-        # No finiteness check: a step whose Newton iteration failed is rejected and its
-        # tangent discarded, and the stage value of such a step may be far off, with a
-        # singular or non-finite Jacobian there.
-        tangent_solve = linear_solve.Dense(throw=False)
+        # prepared once by the same linear solver (in reverse mode, for the forward and
+        # the transposed solve). The solver should not check finiteness: a step whose
+        # Newton iteration failed is rejected and its tangent discarded, and the stage
+        # value of such a step may be far off, with a singular or non-finite Jacobian.
+        tangent_solve = solver
 
         ks = [k1]
         ok = jnp.asarray(True)

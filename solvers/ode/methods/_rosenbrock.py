@@ -31,7 +31,7 @@ import numpy as np
 from implicitdiff import linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
-from ._base import AbstractMethod
+from ._base import AbstractMethod, jacobian_product
 
 __all__ = ["RosenbrockTableau", "Rosenbrock"]
 
@@ -92,8 +92,10 @@ class Rosenbrock(AbstractMethod):
             the error estimate measures).
         name: the name it is registered under.
         linear_solver: how the stages solve with `I - h gamma J`, a solver from
-            `implicitdiff.linear_solve` (dense LU by default; no finiteness check, as
-            a step with a non-finite result is rejected and retried smaller).
+            `implicitdiff.linear_solve`: `Dense` (LU, the default), `Banded` (a band
+            built from a few Jacobian-vector products), or a Krylov method such as
+            `GMRES` (matrix-free). Give it `throw=False`: a step with a non-finite
+            result is rejected and retried smaller.
     """
 
     tableau: RosenbrockTableau
@@ -140,12 +142,14 @@ class Rosenbrock(AbstractMethod):
         tab = self.tableau
         dt = y.dtype
         h = jnp.asarray(h, dt)
-        jac = jax.jacfwd(lambda v: f(v, t, params))(y)
         hg = h * tab.gamma
-        # One factorisation per step; the solves' derivatives reach `J` through the
-        # operator, never through the factors.
+        # The stage matrix as a function: the linear solver builds from it what it
+        # needs (the dense matrix, a band from a few products, or nothing for a
+        # Krylov method). One preparation per step; the solves' derivatives reach `J`
+        # through the operator, never through the factors.
+        jvp = jacobian_product(f, y, t, params)
         solver = self.linear_solver
-        state = solver.init(lambda v: v - hg * (jac @ v), y)
+        state = solver.init(lambda v: v - hg * jvp(v), y)
         needs_ft = any(di != 0.0 for di in tab.d)
         if needs_ft:
             tt = jnp.asarray(t)

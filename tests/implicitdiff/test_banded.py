@@ -1,0 +1,132 @@
+"""`linear_solve.Banded`: band LU with partial pivoting, built from a few matvecs.
+
+The solves and every derivative are checked against NumPy's closed forms with the same
+program as the other solvers (`test_linear_solvers._quantities`), on band matrices
+whose pivots need row interchanges, for every shape of band (none below, none above,
+wider than the matrix), batched under `vmap` and on a pytree right-hand side.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from implicitdiff import linear_solve
+
+from .linear_problems import LinearProblem
+from .test_linear_solvers import _expected, _quantities
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def band(n, lower, upper, seed):
+    """A random band matrix with a small diagonal (so partial pivoting swaps rows),
+    well conditioned enough for tight comparisons."""
+    rng = np.random.default_rng(seed)
+    a = np.zeros((n, n))
+    for d in range(-lower, upper + 1):
+        if abs(d) < n:
+            a += np.diag(rng.uniform(0.5, 1.5, n - abs(d)) * rng.choice([-1, 1], n - abs(d)), d)
+    a += np.diag(0.1 * rng.uniform(size=n))
+    return a
+
+
+def band_mask(n, lower, upper):
+    i, j = np.indices((n, n))
+    return ((j - i) >= -lower) & ((j - i) <= upper)
+
+
+@pytest.mark.parametrize(
+    "n, lower, upper", [(9, 2, 1), (8, 0, 2), (8, 3, 0), (7, 1, 1), (4, 5, 6), (1, 0, 0)]
+)
+def test_against_closed_forms(x64, n, lower, upper):
+    a = band(n, lower, upper, seed=n + 10 * lower + 100 * upper)
+    assert np.linalg.cond(a) < 1e4
+    rng = np.random.default_rng(1)
+    b = rng.normal(size=n)
+    c = rng.normal(size=n)
+    e = rng.normal(size=(n, n)) * band_mask(n, lower, upper)  # stays in the band
+    problem = LinearProblem("band", a, b, False)
+    solver = linear_solve.Banded(lower=lower, upper=upper)
+    got = jax.jit(functools.partial(_quantities, solver, problem))(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), jnp.asarray(e)
+    )
+    for name, value in _expected(a, b, c, e).items():
+        np.testing.assert_allclose(
+            np.asarray(got[name]).reshape(np.shape(value)),
+            value,
+            rtol=1e-9,
+            atol=1e-11,
+            err_msg=name,
+        )
+
+
+def test_batched_and_pytree(x64):
+    n, lower, upper = 7, 1, 2
+    a = np.stack([band(n, lower, upper, seed=s) for s in range(3)])
+    b = {"p": np.arange(3.0), "q": np.ones((2, 2))}
+    solver = linear_solve.Banded(lower=lower, upper=upper)
+    problem = LinearProblem("band", a[0], b, False)
+
+    def solve(a):
+        return solver(problem.operator(a, b), jax.tree_util.tree_map(jnp.asarray, b))
+
+    got = jax.vmap(solve)(jnp.asarray(a))
+    flat_b = np.concatenate([b["p"], b["q"].ravel()])
+    for k in range(3):
+        x = np.linalg.solve(a[k], flat_b)
+        np.testing.assert_allclose(got["p"][k], x[:3], rtol=1e-12)
+        np.testing.assert_allclose(got["q"][k].ravel(), x[3:], rtol=1e-12)
+
+
+def test_large_band_matches_dense(x64):
+    """A long band (the scans run over many rows) with a nearly singular leading
+    block, so rows are swapped all along."""
+    n, lower, upper = 300, 3, 2
+    a = band(n, lower, upper, seed=5)
+    b = np.sin(np.arange(n))
+    x = linear_solve.Banded(lower, upper)(lambda v: jnp.asarray(a) @ v, jnp.asarray(b))
+    xt = linear_solve.Banded(lower, upper).transpose_solve(
+        linear_solve.Banded(lower, upper).init(lambda v: jnp.asarray(a) @ v, jnp.asarray(b)),
+        jnp.asarray(b),
+    )
+    scale = np.abs(a).max() * np.abs(np.asarray(x)).max()
+    assert np.abs(a @ np.asarray(x) - b).max() <= 1e-13 * n * scale
+    assert (
+        np.abs(a.T @ np.asarray(xt) - b).max()
+        <= 1e-13 * n * np.abs(a).max() * np.abs(np.asarray(xt)).max()
+    )
+
+
+def test_laplacian_docstring_value(x64):
+    def laplacian(v):
+        return 2 * v - jnp.pad(v[1:], (0, 1)) - jnp.pad(v[:-1], (1, 0))
+
+    x = linear_solve.Banded(lower=1, upper=1)(laplacian, jnp.ones(5))
+    np.testing.assert_allclose(x, [2.5, 4.0, 4.5, 4.0, 2.5], rtol=1e-13)
+
+
+def test_entries_outside_the_band_raise(x64):
+    a = jnp.asarray(np.eye(6) + np.diag(np.ones(4), 2))  # upper bandwidth 2, not 1
+    with pytest.raises((RuntimeError, ValueError), match=r"outside this band"):
+        jax.block_until_ready(linear_solve.Banded(1, 1)(lambda v: a @ v, jnp.ones(6)))
+    x = linear_solve.Banded(1, 2)(lambda v: a @ v, jnp.ones(6))
+    np.testing.assert_allclose(a @ x, np.ones(6), rtol=1e-13)
+
+
+def test_singular_raises_unless_throw_false(x64):
+    a = jnp.asarray(np.diag([1.0, 0.0, 2.0]))
+    with pytest.raises((RuntimeError, ValueError), match=r"not finite"):
+        jax.block_until_ready(linear_solve.Banded(0, 0)(lambda v: a @ v, jnp.ones(3)))
+    x = linear_solve.Banded(0, 0, throw=False)(lambda v: a @ v, jnp.ones(3))
+    assert not np.all(np.isfinite(np.asarray(x)))
+
+
+@pytest.mark.parametrize("bad", [dict(lower=-1), dict(upper=1.5), dict(lower=True)])
+def test_invalid_bandwidths(bad):
+    with pytest.raises(ValueError, match=r"`(lower|upper)` must be a Python int >= 0"):
+        linear_solve.Banded(**bad)

@@ -1,0 +1,184 @@
+"""`odeint(jac=..., linear_solver=...)`: a user Jacobian and structured stage solves.
+
+The derivatives are checked against central differences of SciPy's Radau at rtol 1e-12
+(as in `test_odeint_stiff`), and each structured solve against the dense default on the
+same steps.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from implicitdiff import linear_solve
+from solvers import odeint
+
+from .stiff_problems import PROBLEMS, load_references
+from .test_odeint_stiff import _loss, _point, _rel
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+REFS = load_references()
+# BRUSS on 16 points stores u then v: u_i meets v_i 16 places away.
+BRUSS_BAND = linear_solve.Banded(lower=16, upper=16, throw=False)
+
+
+def rober_jac(y, t, p):
+    k1, k2, k3 = p[0], p[1], p[2]
+    return jnp.array(
+        [
+            [-k1, k3 * y[2], k3 * y[1]],
+            [k1, -k3 * y[2] - 2 * k2 * y[1], -k3 * y[1]],
+            [0.0, 2 * k2 * y[1], 0.0],
+        ]
+    )
+
+
+CASES = [
+    pytest.param("bruss16", "rodas5p", dict(linear_solver=BRUSS_BAND), id="bruss16-rodas5p-banded"),
+    pytest.param(
+        "bruss16", "kvaerno5", dict(linear_solver=BRUSS_BAND), id="bruss16-kvaerno5-banded",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param("rober", "rodas5p", dict(jac=rober_jac), id="rober-rodas5p-jac"),
+    pytest.param("rober", "kvaerno5", dict(jac=rober_jac), id="rober-kvaerno5-jac"),
+    pytest.param(
+        "hires", "rodas5p", dict(linear_solver="gmres"), id="hires-rodas5p-gmres",
+        marks=pytest.mark.slow,
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "method", "kw"), CASES)
+def test_derivatives_match_scipy_references(x64, name, method, kw):
+    rtol = 1e-8
+    loss, steps = _loss(name, rtol, method, **kw)
+    dense_loss, dense_steps = _loss(name, rtol, method)
+    p, y0 = _point(name)
+    ref = REFS[name]
+    n = int(jax.jit(steps)(p, y0))
+    assert n == int(jax.jit(dense_steps)(p, y0))  # the same steps as the dense default
+    bound = 10 * n * rtol
+    value, (gp, gy) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(p, y0)
+    assert _rel(value, ref["loss"]) < bound
+    assert _rel(gp, ref["grad_p"]) < bound, (_rel(gp, ref["grad_p"]), bound)
+    assert _rel(gy, ref["grad_y0"]) < bound, (_rel(gy, ref["grad_y0"]), bound)
+    # The same computed solution as the dense default, so the same derivatives up to
+    # the rounding of a different factorisation.
+    dv, (dgp, dgy) = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1)))(p, y0)
+    assert _rel(value, dv) < 1e-10
+    assert _rel(gp, dgp) < 1e-7 and _rel(gy, dgy) < 1e-7
+    fp, fy = jax.jit(jax.jacfwd(loss, argnums=(0, 1)))(p, y0)
+    np.testing.assert_allclose(fp, gp, rtol=1e-8, atol=1e-11 * np.max(np.abs(gp)))
+    np.testing.assert_allclose(fy, gy, rtol=1e-8, atol=1e-11 * np.max(np.abs(gy)))
+
+
+def test_user_jacobian_replaces_autodiff_in_y(x64):
+    """`jac` is what the stage matrices use: the exact one reproduces the autodiff
+    solve to rounding, a slightly wrong one moves the solution (within the tolerance,
+    as a Rosenbrock method's error estimate allows), and the steps still come from
+    `func`."""
+    prob = PROBLEMS["rober"]
+    ts = jnp.array([0.0, 1.0, 100.0])
+    p, y0 = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+
+    def solve(jac):
+        return odeint(f, y0, ts, p, method="rodas5p", rtol=1e-6, atol=1e-10, jac=jac)
+
+    auto = np.asarray(solve(None))
+    right = np.asarray(solve(rober_jac))
+    wrong = np.asarray(solve(lambda y, t, p: 1.01 * rober_jac(y, t, p)))
+    scale = np.abs(auto).max()
+    assert np.abs(right - auto).max() < 1e-12 * scale
+    assert 1e-11 * scale < np.abs(wrong - auto).max() < 1e-3 * scale
+
+
+def test_user_jacobian_pytree_state_and_every_mode(x64):
+    """A dict state, the Jacobian on the flattened state; grad, jacfwd, hessian and vmap
+    against the closed form of `y' = A y`."""
+    a = jnp.array([[-2.0, 1.0], [0.5, -3.0]])
+
+    def f(y, t, s):
+        v = jnp.stack([y["u"], y["w"]])
+        dv = s * (a @ v)
+        return {"u": dv[0], "w": dv[1]}
+
+    def jac(y, t, s):
+        return s * a
+
+    y0 = {"u": jnp.asarray(1.0), "w": jnp.asarray(-0.5)}
+    ts = jnp.array([0.0, 0.7])
+
+    def loss(s, method):
+        ys = odeint(f, y0, ts, s, method=method, rtol=1e-10, atol=1e-10, jac=jac)
+        return ys["u"][-1] + 2 * ys["w"][-1]
+
+    def exact(s):
+        v = jax.scipy.linalg.expm(0.7 * s * a) @ jnp.array([1.0, -0.5])
+        return v[0] + 2 * v[1]
+
+    # (kvaerno5 with `jac` is checked against SciPy above; dopri5 runs the backsolve
+    # adjoint, which transposes the user Jacobian.)
+    for method in ("rodas5p", "dopri5"):
+        s = 1.3
+        np.testing.assert_allclose(loss(s, method), exact(s), rtol=1e-8)
+        np.testing.assert_allclose(jax.grad(loss)(s, method), jax.grad(exact)(s), rtol=1e-7)
+        np.testing.assert_allclose(jax.jacfwd(loss)(s, method), jax.grad(exact)(s), rtol=1e-7)
+    np.testing.assert_allclose(
+        jax.hessian(loss)(1.3, "rodas5p"), jax.hessian(exact)(1.3), rtol=1e-6
+    )
+    ss = jnp.array([0.5, 1.0, 2.0])
+    np.testing.assert_allclose(
+        jax.vmap(lambda s: loss(s, "rodas5p"))(ss), jax.vmap(exact)(ss), rtol=1e-8
+    )
+
+
+def test_banded_stage_solves_on_a_line_of_points(x64):
+    """The Brusselator stored point by point (`(points, 2)`, bandwidths 2): the banded
+    solve takes the dense solve's steps and gives its solution and gradient."""
+
+    def bruss(y, t, a):
+        n = y.shape[0]
+        u, v = y[:, 0], y[:, 1]
+        c = 0.02 * (n + 1) ** 2
+        one = jnp.ones(1)
+        ul, ur = jnp.concatenate([one, u[:-1]]), jnp.concatenate([u[1:], one])
+        vl, vr = jnp.concatenate([3 * one, v[:-1]]), jnp.concatenate([v[1:], 3 * one])
+        du = a + u * u * v - 4 * u + c * (ul - 2 * u + ur)
+        dv = 3 * u - u * u * v + c * (vl - 2 * v + vr)
+        return jnp.stack([du, dv], axis=1)
+
+    x = jnp.arange(1, 41) / 41
+    y0 = jnp.stack([1 + jnp.sin(2 * jnp.pi * x), 3 * jnp.ones(40)], axis=1)
+    ts = jnp.array([0.0, 2.0, 5.0])
+
+    def run(a, solver):
+        return odeint(
+            bruss, y0, ts, a, method="rodas5p", rtol=1e-7, atol=1e-7, linear_solver=solver,
+            return_info=True,
+        )  # fmt: skip
+
+    band = linear_solve.Banded(lower=2, upper=2, throw=False)
+    (yb, ib), (yd, idn) = run(1.0, band), run(1.0, None)
+    assert int(ib.steps) == int(idn.steps)
+    np.testing.assert_allclose(yb, yd, rtol=1e-11, atol=1e-12)
+    g = lambda solver: jax.grad(lambda a: jnp.sum(run(a, solver)[0][-1]))(1.0)  # noqa: E731
+    np.testing.assert_allclose(g(band), g(None), rtol=1e-8)
+    with pytest.raises((RuntimeError, ValueError), match=r"outside this band"):
+        jax.block_until_ready(run(1.0, linear_solve.Banded(lower=1, upper=1, throw=False)))
+
+
+def test_bad_jac_and_linear_solver_arguments(x64):
+    f = lambda y, t: -y  # noqa: E731
+    y0, ts = jnp.ones(3), jnp.array([0.0, 1.0])
+    with pytest.raises(TypeError, match=r"`jac\(y0, t\[0\], \*args\)` must return"):
+        odeint(f, y0, ts, method="rodas5p", jac=lambda y, t: jnp.ones(3))
+    with pytest.raises(TypeError, match=r"`jac` must be callable"):
+        odeint(f, y0, ts, method="rodas5p", jac=1.0)
+    with pytest.raises(ValueError, match=r"`linear_solver` is for the implicit methods"):
+        odeint(f, y0, ts, method="dopri5", linear_solver="gmres")
+    with pytest.raises(TypeError, match=r"must be a linear_solve.LinearSolver"):
+        odeint(f, y0, ts, method="rodas5p", linear_solver=lambda mv, b: b)
+    with pytest.raises(ValueError, match=r"odeint: `linear_solver` must be"):
+        odeint(f, y0, ts, method="rodas5p", linear_solver="nope")
