@@ -20,8 +20,9 @@ from a diffusion rate four times too small and a feed rate 30% too large. It adj
 its checkpointed adjoint. Before training, the script checks the gradient against
 central differences of the loss. It prints the loss and the rates as training goes,
 asserts that the loss fell (by 10x with `--small`; at full size that both rates are
-recovered to 5%: they come back to 0.02%, the loss to the noise level), and plots the data, the initial and the fitted profiles, and the
-loss curve to `examples/out/reaction_diffusion_fit.png`. Run it with
+recovered to 5%: they come back to 0.02%, the loss to the noise level), and plots
+the data, the initial and the fitted profiles, and the loss curve to
+`examples/out/reaction_diffusion_fit.png`. Run it with
 
     python examples/reaction_diffusion_fit.py           # 400 grid points: about 1 min
     python examples/reaction_diffusion_fit.py --small   # a few steps, for a smoke test
