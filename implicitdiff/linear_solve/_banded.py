@@ -4,7 +4,6 @@ partial pivoting)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar, NamedTuple
 
 import jax
@@ -15,8 +14,9 @@ from jax.flatten_util import ravel_pytree
 from .._errors import error_if
 from .._trees import all_finite
 from ..linear_system import custom_linear_solve
-from ._base import LinearSolver, MatVec, PyTree, as_operator, transposed
+from ._base import MatVec, PyTree, as_operator
 from ._checks import as_arrays, check_throw, prepare_b
+from ._factored import Factored
 
 __all__ = ["Banded", "BandedState", "band_matrix", "band_lu", "band_lu_solve"]
 
@@ -85,10 +85,10 @@ def band_lu(ab: jax.Array, lower: int, upper: int):
     n, width = ab.shape
     m = width  # U's band: the diagonal and lower + upper entries right of it
     # The window at k = 0: row i (i <= lower) starts at column i - lower.
-    rows0 = jnp.pad(ab, ((0, lower + 1), (0, 0)))[: lower + 1]
-    window = jnp.stack([jnp.roll(rows0[i], i - lower) for i in range(lower + 1)])
+    padded = jnp.pad(ab, ((0, lower + 1), (0, 0)))
+    window = jnp.stack([jnp.roll(padded[i], i - lower) for i in range(lower + 1)])
     window = window * (jnp.arange(m)[None, :] <= jnp.arange(lower + 1)[:, None] + upper)
-    incoming = jnp.pad(ab, ((0, lower + 1), (0, 0)))[lower + 1 : lower + 1 + n]
+    incoming = padded[lower + 1 : lower + 1 + n]  # row k + lower + 1 enters at step k
 
     def step(window, new_row):
         p = jnp.argmax(jnp.abs(window[:, 0]))
@@ -178,7 +178,7 @@ def band_lu_solve(factors, b: jax.Array, lower: int, trans: int = 0) -> jax.Arra
 
 
 @dataclasses.dataclass(frozen=True)
-class Banded(LinearSolver):
+class Banded(Factored):
     """Solve with a banded matrix: `A[i, j] = 0` unless `-lower <= j - i <= upper`.
 
     `init` builds the band from `lower + upper + 1` matvecs (columns that never share
@@ -223,6 +223,11 @@ class Banded(LinearSolver):
     upper: int = 0
     throw: bool = True
     check: bool = True
+    singular_message: ClassVar[str] = (
+        "implicitdiff.linear_solve.Banded: the solution is not finite (NaN or inf), so "
+        "the matrix is singular (or b is not finite). To fix it: make the system "
+        "non-singular, check the inputs for NaN, or pass `throw=False` to skip this check."
+    )
 
     def __post_init__(self):
         for arg in ("lower", "upper"):
@@ -258,22 +263,6 @@ class Banded(LinearSolver):
         ab = jax.lax.stop_gradient(self._band(operator, b_like))
         return BandedState(operator, *band_lu(ab, self.lower, self.upper))
 
-    def solve(self, state: BandedState, b: PyTree) -> PyTree:
-        return custom_linear_solve(
-            state.operator,
-            b,
-            functools.partial(self._lu_solve, state[1:], 0),
-            transpose_solve=functools.partial(self._lu_solve, state[1:], 1),
-        )
-
-    def transpose_solve(self, state: BandedState, b: PyTree) -> PyTree:
-        return custom_linear_solve(
-            transposed(state.operator, b),
-            b,
-            functools.partial(self._lu_solve, state[1:], 1),
-            transpose_solve=functools.partial(self._lu_solve, state[1:], 0),
-        )
-
     def __call__(self, matvec: MatVec, b: PyTree) -> PyTree:
         b, size, _ = prepare_b(b, self.name)
         if size == 0:
@@ -286,17 +275,10 @@ class Banded(LinearSolver):
 
     def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
         factors = band_lu(self._band(matvec, b), self.lower, self.upper)
-        return self._lu_solve(factors, 0, matvec, b)
+        return self._factor_solve(factors, 0, matvec, b)
 
-    def _lu_solve(self, factors, trans: int, matvec: MatVec, b: PyTree) -> PyTree:
-        del matvec
-        flat, unravel = ravel_pytree(b)
-        if flat.size == 0:
-            return b
-        x = unravel(band_lu_solve(factors, flat, self.lower, trans).astype(flat.dtype))
-        if self.throw:
-            x = error_if(x, jnp.logical_not(all_finite(x)), _SINGULAR)
-        return x
+    def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
+        return band_lu_solve(factors, b, self.lower, trans)
 
 
 _OUTSIDE_BAND = (
@@ -305,10 +287,4 @@ _OUTSIDE_BAND = (
     "To fix it: give the true bandwidths (for unknowns stored point by point with c "
     "fields each and nearest-neighbour coupling, lower = upper = 2c - 1), or use Dense "
     "or GMRES. Pass check=False to skip this check."
-)
-
-_SINGULAR = (
-    "implicitdiff.linear_solve.Banded: the solution is not finite (NaN or inf), so the "
-    "matrix is singular (or b is not finite). To fix it: make the system non-singular, "
-    "check the inputs for NaN, or pass `throw=False` to skip this check."
 )

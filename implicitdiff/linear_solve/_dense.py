@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -11,11 +10,9 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsp_linalg
 from jax.flatten_util import ravel_pytree
 
-from .._errors import error_if
-from .._trees import all_finite
-from ..linear_system import custom_linear_solve
-from ._base import LinearSolver, MatVec, PyTree, as_operator, transposed
+from ._base import MatVec, PyTree, as_operator
 from ._checks import as_arrays, check_throw
+from ._factored import Factored
 
 __all__ = ["Dense", "DenseState", "dense", "materialise"]
 
@@ -56,7 +53,7 @@ def materialise(matvec: MatVec, b_like: PyTree) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Dense(LinearSolver):
+class Dense(Factored):
     """Solve by building the matrix and factoring it once (LU with partial pivoting).
 
     `init` materialises the operator by applying `matvec` (vectorised with `jax.vmap`)
@@ -90,6 +87,13 @@ class Dense(LinearSolver):
     name: ClassVar[str] = "dense"
     symmetric: bool = False
     throw: bool = True
+    singular_message: ClassVar[str] = (
+        "implicitdiff.linear_solve.dense: the solution is not finite (NaN or inf), so the "
+        "matrix is singular (or b is not finite). To fix it: make the system non-singular "
+        "(e.g. add a small multiple of the identity: matvec(x) + eps * x), check the "
+        "inputs for NaN, or use `normal_cg`/`gmres` for a least-squares-like answer. "
+        "Pass `throw=False` to skip this check."
+    )
 
     def __post_init__(self):
         check_throw(self.throw, self.name)
@@ -101,46 +105,12 @@ class Dense(LinearSolver):
         matrix = jax.lax.stop_gradient(materialise(operator, b_like))
         return DenseState(operator, *jsp_linalg.lu_factor(matrix))
 
-    def solve(self, state: DenseState, b: PyTree) -> PyTree:
-        return custom_linear_solve(
-            state.operator,
-            b,
-            functools.partial(self._lu_solve, state, 0),
-            transpose_solve=functools.partial(self._lu_solve, state, 1),
-        )
-
-    def transpose_solve(self, state: DenseState, b: PyTree) -> PyTree:
-        return custom_linear_solve(
-            transposed(state.operator, b),
-            b,
-            functools.partial(self._lu_solve, state, 1),
-            transpose_solve=functools.partial(self._lu_solve, state, 0),
-        )
-
     def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
         lu_and_pivots = jsp_linalg.lu_factor(materialise(matvec, b))
-        return self._lu_solve(DenseState(None, *lu_and_pivots), 0, matvec, b)
+        return self._factor_solve(lu_and_pivots, 0, matvec, b)
 
-    def _lu_solve(self, state: DenseState, trans: int, matvec: MatVec, b: PyTree) -> PyTree:
-        """`A^{-1} b` (`trans=0`) or `A^{-T} b` (`trans=1`) with the factors of `A`
-        (`matvec` is the operator being inverted; the factors already stand for it)."""
-        del matvec
-        flat, unravel = ravel_pytree(b)
-        if flat.size == 0:
-            return b
-        x = unravel(jsp_linalg.lu_solve((state.lu, state.pivots), flat, trans=trans))
-        if self.throw:
-            x = error_if(x, jnp.logical_not(all_finite(x)), _SINGULAR)
-        return x
-
-
-_SINGULAR = (
-    "implicitdiff.linear_solve.dense: the solution is not finite (NaN or inf), so the "
-    "matrix is singular (or b is not finite). To fix it: make the system non-singular "
-    "(e.g. add a small multiple of the identity: matvec(x) + eps * x), check the "
-    "inputs for NaN, or use `normal_cg`/`gmres` for a least-squares-like answer. "
-    "Pass `throw=False` to skip this check."
-)
+    def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
+        return jsp_linalg.lu_solve(factors, b, trans=trans)
 
 
 def dense(matvec: MatVec, b: PyTree, *, symmetric: bool = False, throw: bool = True) -> Any:
