@@ -6,7 +6,8 @@ systems with banded Jacobians: the Brusselator line at 256 and 1024 points and 6
 1000 copies of ROBER (`--full` adds 4096 points, one copy and 10,000 copies). For each,
 the solution at the last time by
 
-- ours: `odeint(method="kvaerno5")` and `odeint(method="rodas5p")`;
+- ours: `odeint(method="kvaerno5")`, `odeint(method="radau5")` and
+  `odeint(method="rodas5p")`;
 - diffrax: `Kvaerno5` with a PID controller at the same tolerances;
 - SciPy: `solve_ivp` with `Radau`, `BDF` and `LSODA`, given the Jacobian (compiled
   by JAX, so that SciPy is not slowed by finite differences); for the large systems,
@@ -53,7 +54,7 @@ from solvers import odeint  # noqa: E402
 from tests.solvers.stiff_problems import PROBLEMS, bruss, hires, orego, rober, vdpol  # noqa: E402
 
 NAME = "stiff"
-OURS = ("kvaerno5", "rodas5p")
+OURS = ("kvaerno5", "radau5", "rodas5p")
 SCIPY = ("Radau", "BDF", "LSODA")
 
 

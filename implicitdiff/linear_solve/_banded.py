@@ -239,6 +239,12 @@ class Banded(Factored):
                 )
         check_throw(self.throw, self.name)
 
+    def coupled(self, m: int) -> Banded:
+        """The band of `m` coupled copies (see `LinearSolver.coupled`): unknown `i`'s
+        copies are numbered `m i .. m i + m - 1`, so a coupling `j - i` in
+        `[-lower, upper]` spans `m (j - i) - (m - 1) .. m (j - i) + m - 1`."""
+        return dataclasses.replace(self, lower=m * self.lower + m - 1, upper=m * self.upper + m - 1)
+
     def _flat(self, matvec: MatVec, b_like: PyTree):
         flat, unravel = ravel_pytree(as_arrays(b_like))
         return flat, lambda v: ravel_pytree(matvec(unravel(v)))[0]

@@ -102,6 +102,23 @@ class LinearSolver(abc.ABC):
             `x`, a pytree with the structure of `b`.
         """
 
+    def coupled(self, m: int) -> LinearSolver:
+        """This solver for `m` coupled copies of its unknowns: an operator on arrays of
+        shape `(n, m)` (copy `s` of unknown `i` at `[i, s]`) whose coupling between
+        unknowns is that of the original `n x n` operator (a block `A_ij` of size
+        `m x m` where `A` had an entry). An implicit Runge-Kutta method with `m` stages
+        solves such systems. Most solvers serve it as they are (returned unchanged); a
+        solver that relies on the sparsity of the matrix adapts it (`Banded` widens
+        its band).
+
+        Arguments:
+            m: the number of copies (`>= 1`).
+
+        Returns:
+            The solver for the coupled system.
+        """
+        return self
+
     def __call__(self, matvec: MatVec, b: PyTree) -> PyTree:
         """Solve `matvec(x) = b` once, differentiably through `custom_linear_solve`.
 

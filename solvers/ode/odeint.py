@@ -75,7 +75,8 @@ def odeint(
             adaptive), `"rodas5p"` (adaptive Rosenbrock for stiff problems: one
             Jacobian and one factorisation per step, no iteration), `"kvaerno5"`
             (adaptive ESDIRK for stiff problems; its stage equations are solved by
-            Newton's method), or `"rk4"`/`"euler"` (fixed
+            Newton's method), `"radau5"` (Radau IIA of order 5, the three stages
+            solved together), or `"rk4"`/`"euler"` (fixed
             step `dt`); see `solvers.ode.methods.METHODS` for every registered name.
             Every method steps exactly onto each `t[i]` unless `interpolate=True`.
         dt: the step of `"rk4"` and `"euler"` (required for them); steps are
@@ -126,7 +127,8 @@ def odeint(
             implicit methods' stage matrices, forward sensitivities and adjoints.
             Derivatives in `t` and `args` still differentiate `func`. Default:
             automatic differentiation.
-        linear_solver: how an implicit method (`"rodas5p"`, `"rodas4"`, `"kvaerno5"`)
+        linear_solver: how an implicit method (`"rodas5p"`, `"rodas4"`, `"kvaerno5"`,
+            `"radau5"`)
             solves with its stage matrix `I - h gamma J`: a solver from
             `implicitdiff.linear_solve` or its name: `Dense()` (LU on the matrix
             built from `n` Jacobian-vector products; the default), `Banded(lower,

@@ -62,7 +62,7 @@ def _point(name):
 
 def _reference_cases():
     fast = {"rober", "hires", "bruss16"}
-    for method in ("kvaerno5", "rodas5p", "rodas4"):
+    for method in ("kvaerno5", "rodas5p", "rodas4", "radau5"):
         for name in ("rober", "hires", "bruss16", "orego"):
             slow = name not in fast or (method != "kvaerno5" and name != "rober")
             yield pytest.param(name, method, id=f"{name}-{method}",

@@ -43,6 +43,11 @@ CASES = [
     pytest.param("rober", "rodas5p", dict(jac=rober_jac), id="rober-rodas5p-jac"),
     pytest.param("rober", "kvaerno5", dict(jac=rober_jac), id="rober-kvaerno5-jac"),
     pytest.param(
+        "bruss16", "radau5", dict(linear_solver=BRUSS_BAND), id="bruss16-radau5-banded",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param("rober", "radau5", dict(jac=rober_jac), id="rober-radau5-jac"),
+    pytest.param(
         "hires", "rodas5p", dict(linear_solver="gmres"), id="hires-rodas5p-gmres",
         marks=pytest.mark.slow,
     ),
@@ -134,9 +139,11 @@ def test_user_jacobian_pytree_state_and_every_mode(x64):
     )
 
 
-def test_banded_stage_solves_on_a_line_of_points(x64):
+@pytest.mark.parametrize("method", ["rodas5p", "radau5"])
+def test_banded_stage_solves_on_a_line_of_points(x64, method):
     """The Brusselator stored point by point (`(points, 2)`, bandwidths 2): the banded
-    solve takes the dense solve's steps and gives its solution and gradient."""
+    solve takes the dense solve's steps and gives its solution and gradient (radau5
+    solves its coupled stage systems with the band widened)."""
 
     def bruss(y, t, a):
         n = y.shape[0]
@@ -155,7 +162,7 @@ def test_banded_stage_solves_on_a_line_of_points(x64):
 
     def run(a, solver):
         return odeint(
-            bruss, y0, ts, a, method="rodas5p", rtol=1e-7, atol=1e-7, linear_solver=solver,
+            bruss, y0, ts, a, method=method, rtol=1e-7, atol=1e-7, linear_solver=solver,
             return_info=True,
         )  # fmt: skip
 

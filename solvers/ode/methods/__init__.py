@@ -31,6 +31,7 @@ from .dopri5 import Dopri5
 from .dopri8 import Dopri8
 from .euler import Euler
 from .kvaerno5 import Kvaerno5
+from .radau5 import Radau5
 from .rk4 import RK4
 from .rodas4 import Rodas4
 from .rodas5p import Rodas5P
@@ -50,6 +51,7 @@ __all__ = [
     "Bosh3",
     "Dopri8",
     "Kvaerno5",
+    "Radau5",
     "Rodas5P",
     "Rodas4",
     "RK4",
@@ -77,6 +79,7 @@ for _method in (
     Bosh3(),
     Dopri8(),
     Kvaerno5(),
+    Radau5(),
     Rodas5P(),
     Rodas4(),
     RK4(),

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["AbstractMethod", "ButcherTableau", "StageTolerance", "jacobian_product"]
+__all__ = ["AbstractMethod", "ButcherTableau", "StageTolerance", "after", "jacobian_product"]
 
 
 def jacobian_product(f, y, t, params):
@@ -31,6 +31,26 @@ def jacobian_product(f, y, t, params):
     one per iteration for a Krylov method). The field's own derivative rule is used
     when it has one (`odeint(jac=...)`)."""
     return lambda v: jax.jvp(lambda u: f(u, t, params), (y,), (v,))[1]
+
+
+def after(values, state):
+    """`values` (a pytree of floating-point arrays), made to depend on `state` (any
+    pytree of arrays), so that whatever is computed from them starts after `state` is
+    ready.
+
+    A method that prepares two linear solvers in one step orders them with this. On
+    CPU, XLA may run two independent LAPACK factorisations at once; under `vmap` each
+    splits its batch over the same thread pool and waits for it, and with as many
+    factorisations as threads (two on a two-core machine) they wait for each other
+    forever. The dependency is a product with zero of one entry of `state`, converted
+    to an integer first so that a NaN there cannot spread; XLA does not fold a
+    floating-point product with zero away.
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(state) if getattr(x, "size", 0)]
+    if not leaves:
+        return values
+    anchor = jax.numpy.ravel(leaves[-1])[0].astype(jax.numpy.int32)
+    return jax.tree_util.tree_map(lambda v: v + 0 * anchor.astype(v.dtype), values)
 
 
 @dataclasses.dataclass(frozen=True)

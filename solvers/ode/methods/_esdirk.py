@@ -8,13 +8,11 @@ per step for each distinct diagonal value. The stage solves go through
 sensitivities) uses the implicit function theorem on the stage equations, not the
 iterations.
 
-The iteration stops by Hairer and Wanner's test (Solving ODEs II, IV.8): with the
-contraction rate `theta_k = |dz_k| / |dz_(k-1)|` and `eta = theta / (1 - theta)`, the
-distance to the solution is about `eta |dz_k|`, and the stage is converged once that is
-`NEWTON_KAPPA` in the step's weighted RMS norm (`atol + rtol |z|` per entry, the norm
-of the error control). A rate of 1 or more (divergence), a non-finite iterate or
-`NEWTON_ITERS` iterations fail the step, which is then retried smaller. The rate of one
-stage's iteration starts the next stage's test.
+The iteration stops by Hairer and Wanner's test (`solvers.ode.methods._newton`) once
+its estimated distance to the solution is `NEWTON_KAPPA` in the step's weighted RMS
+norm (`atol + rtol |z|` per entry, the norm of the error control); a failed iteration
+fails the step, which is then retried smaller. The rate of one stage's iteration starts
+the next stage's test.
 
 A stage derivative is taken from its stage equation, `(z - base) / (h gamma)`: equal to
 `f(z, t_i)` at the solution, but `f` at the iterate would multiply the iteration's
@@ -33,7 +31,8 @@ import jax.numpy as jnp
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
-from ._base import StageTolerance, jacobian_product
+from ._base import StageTolerance, after, jacobian_product
+from ._newton import simplified_newton
 from ._runge_kutta import TableauMethod, combine
 
 __all__ = ["ESDIRK", "NEWTON_ITERS", "NEWTON_KAPPA"]
@@ -43,8 +42,6 @@ NEWTON_ITERS = 10
 #: The estimated distance to a stage's solution at which its iteration stops, as a
 #: fraction of the step's error tolerance (in the error control's norm).
 NEWTON_KAPPA = 1e-2
-
-_RUNNING, _CONVERGED, _FAILED = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,47 +114,27 @@ class ESDIRK(TableauMethod):
         jvp = jacobian_product(
             f, jax.lax.stop_gradient(y), t, jax.tree_util.tree_map(jax.lax.stop_gradient, params)
         )
-        lus = {
-            g: jax.tree_util.tree_map(
-                jax.lax.stop_gradient,
-                solver.init(lambda v, hg=jnp.asarray(h * g, dt): v - hg * jvp(v), y),
-            )
-            for g in sorted(set(tab.gamma[1:]))
-        }
+        lus, prev = {}, None
+        for g in sorted(set(tab.gamma[1:])):
+            # One preparation after the other (see `after`).
+            hg = after(jnp.asarray(h * g, dt), prev)
+            lus[g] = prev = jax.lax.stop_gradient(solver.init(lambda v, hg=hg: v - hg * jvp(v), y))
         size = n if tol.size is None else tol.size
-        eps = float(jnp.finfo(rdt).eps)
 
         def weighted_norm(dz, z):
             scale = tol.atol + tol.rtol * jnp.abs(z[:size])
             return jnp.sqrt(jnp.mean(jnp.square(jnp.abs(dz[:size]) / scale)))
 
         def newton(res, z0, lu, eta0):
-            def body(carry):
-                z, _, it, prev, eta = carry
-                dz = solver.solve(lu, -res(z))
-                z = z + dz
-                size_k = weighted_norm(dz, z)
-                theta = size_k / prev
-                # The first update has no rate of its own: the last stage's, damped.
-                eta = jnp.where(
-                    it == 0, jnp.maximum(eta, eps) ** 0.8, theta / jnp.maximum(1 - theta, eps)
-                )
-                finite = jnp.all(jnp.isfinite(z)) & jnp.isfinite(size_k)
-                diverged = (it > 0) & (theta >= 1) & (size_k > 100 * eps)
-                done = (eta * size_k <= NEWTON_KAPPA) | (size_k <= 100 * eps)
-                state = jnp.where(
-                    ~finite | diverged, _FAILED, jnp.where(done, _CONVERGED, _RUNNING)
-                )
-                return z, state, it + 1, size_k, eta
-
-            def cond(carry):
-                _, state, it, *_ = carry
-                return (state == _RUNNING) & (it < NEWTON_ITERS)
-
-            one = jnp.asarray(1.0, rdt)
-            init = (z0, jnp.asarray(_RUNNING), jnp.asarray(0), one, eta0)
-            z, state, _, _, eta = jax.lax.while_loop(cond, body, init)
-            return z, (state == _CONVERGED, eta)
+            z, conv, eta, _ = simplified_newton(
+                lambda z: solver.solve(lu, -res(z)),
+                z0,
+                weighted_norm,
+                kappa=NEWTON_KAPPA,
+                max_iters=NEWTON_ITERS,
+                eta0=eta0,
+            )
+            return z, (conv, eta)
 
         # The stage equations' derivatives: the residual's Jacobian at the stage value,
         # prepared once by the same linear solver (in reverse mode, for the forward and

@@ -1,0 +1,241 @@
+"""Radau IIA of order 5 (`"radau5"`): the three-stage collocation method of Hairer and
+Wanner's RADAU5, for stiff problems.
+
+A step solves for the stage increments `Z_i = Y_i - y` at the collocation points
+`c = ((4 - sqrt 6) / 10, (4 + sqrt 6) / 10, 1)`:
+
+    Z = h (A x I) F(Z),    F(Z)_i = f(y + Z_i, t + c_i h),
+
+a system of `3 n` equations, and ends on the last stage, `y1 = y + Z_3` (the method
+is stiffly accurate and L-stable). The simplified Newton iteration works on the
+transformed increments `W = (T^-1 x I) Z`, with `T^-1 A^-1 T` block diagonal: one
+real eigenvalue and a complex pair of `A^-1` (Solving ODEs II, IV.8). Its matrix
+`(h^-1 A^-1 x I - I x J)` then splits into a real `n x n` system `(gamma / h - J)` and
+a complex one `((alpha - i beta) / h - J)`, solved as a real system on `(n, 2)`
+arrays (real and imaginary parts side by side), each prepared once per step by the
+method's linear solver.
+
+The stage equations go through `implicitdiff.custom_root`: differentiating a step
+(the checkpointed adjoint, forward sensitivities) uses the implicit function theorem
+on the `3 n` collocation equations, with the same linear solver for `3` coupled
+copies of the unknowns (`LinearSolver.coupled`), never the Newton iterations.
+
+The error estimate is Hairer's: `(gamma / h - J)^-1 (f(y) + h^-1 sum_i e_i Z_i)`,
+an embedded solution of order 3 filtered by the real iteration matrix so that it
+stays bounded on stiff components. Where it would reject the step, it is refined by
+one more evaluation and solve, as RADAU5 does after a rejection. Inside the step the
+solution is the collocation polynomial through `y` and the three stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from implicitdiff import custom_root, linear_solve
+from implicitdiff.linear_solve import LinearSolver
+
+from ._base import AbstractMethod, StageTolerance, after, jacobian_product
+from ._newton import simplified_newton
+
+__all__ = ["Radau5", "NEWTON_ITERS"]
+
+#: The most simplified Newton iterations of one step.
+NEWTON_ITERS = 10
+
+_S6 = math.sqrt(6.0)
+#: The collocation points.
+C = (0.4 - _S6 / 10, 0.4 + _S6 / 10, 1.0)
+#: The Radau IIA coefficients.
+A = np.array(
+    [
+        [(88 - 7 * _S6) / 360, (296 - 169 * _S6) / 1800, (-2 + 3 * _S6) / 225],
+        [(296 + 169 * _S6) / 1800, (88 + 7 * _S6) / 360, (-2 - 3 * _S6) / 225],
+        [(16 - _S6) / 36, (16 + _S6) / 36, 1 / 9],
+    ]
+)
+#: The weights of the error estimate on the increments `Z_i / h`.
+E = np.array([-13 - 7 * _S6, -13 + 7 * _S6, -1.0]) / 3
+# The eigenvalues of A^-1: one real, and the pair alpha -+ i beta.
+_GAMMA = 3 + 3 ** (2 / 3) - 3 ** (1 / 3)
+_ALPHA = 3 + 0.5 * (3 ** (1 / 3) - 3 ** (2 / 3))
+_BETA = 0.5 * (3 ** (5 / 6) + 3 ** (7 / 6))
+
+
+def _transformation() -> tuple[np.ndarray, np.ndarray]:
+    """`T` and `T^-1` with `T^-1 A^-1 T = [[gamma, 0, 0], [0, alpha, beta], [0, -beta,
+    alpha]]`: the real eigenvector, and the real and imaginary parts of a complex one."""
+    vals, vecs = np.linalg.eig(np.linalg.inv(A))
+    real = vecs[:, np.argmin(np.abs(vals.imag))].real
+    pair = vecs[:, np.argmax(vals.imag)]  # eigenvalue alpha + i beta
+    t = np.stack([real, pair.real, pair.imag], axis=1)
+    return t, np.linalg.inv(t)
+
+
+T, T_INV = _transformation()
+
+
+def _collocation_weights() -> np.ndarray:
+    """The collocation polynomial `y + sum_i L_i(theta) Z_i` as coefficients of each
+    `L_i` in powers of `theta` (lowest first): `L_i` is 1 at `c_i`, 0 at 0 and at the
+    other points."""
+    nodes = np.array((0.0,) + C)
+    vander = np.vander(nodes, 4, increasing=True)
+    return np.linalg.solve(vander, np.eye(4))[:, 1:].T  # (stage, power)
+
+
+def _mix(m: np.ndarray, z):
+    """`z @ m.T` for a small constant matrix `m`: column `i` of the result is
+    `sum_j m[i, j] z[:, j]`, written out as scaled sums (cheaper than a product with
+    three columns, and fused with what surrounds it)."""
+    cols = []
+    for row in m:
+        acc = None
+        for j, mij in enumerate(row):
+            if mij != 0.0:
+                term = float(mij) * z[:, j]
+                acc = term if acc is None else acc + term
+        cols.append(jnp.zeros_like(z[:, 0]) if acc is None else acc)
+    return jnp.stack(cols, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Radau5(AbstractMethod):
+    """Radau IIA of order 5 (see the module): three implicit stages solved together,
+    L-stable and stiffly accurate, with a 3rd-order error estimate. Stiff problems at
+    tight tolerances, and strongly oscillatory stiff ones where an ESDIRK method
+    struggles.
+
+    Attributes:
+        linear_solver: how the iteration and the stages' derivatives solve, a solver
+            from `implicitdiff.linear_solve`: `Dense` (LU, the default), `Banded` (its
+            band widened for the coupled systems), or a Krylov method such as `GMRES`.
+            Give it `throw=False` (a failed stage solve rejects the step).
+    """
+
+    order: int = 4
+    name: str = "radau5"
+    linear_solver: LinearSolver = linear_solve.Dense(throw=False)
+
+    @property
+    def adaptive(self) -> bool:
+        return True
+
+    @property
+    def implicit(self) -> bool:
+        return True
+
+    @property
+    def stages(self) -> int:
+        return 3
+
+    @property
+    def evals_per_step(self) -> int:
+        # `f` at the step's end (the next step's error estimate starts from it).
+        return 1
+
+    @property
+    def factorisations_per_step(self) -> int:
+        # The real system and the complex one.
+        return 2
+
+    def continuous_weights(self) -> np.ndarray:
+        """The collocation polynomial on the basis `[y, y1, k1_next, k_1, k_2, k_3]`,
+        with `k_i = Z_i / h` the stages this method returns."""
+        w = np.zeros((6, 4))
+        w[0, 0] = 1.0
+        w[3:] = _collocation_weights()
+        return w
+
+    def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
+        tol = tol or StageTolerance()
+        n, dt = y.shape[0], y.dtype
+        h = jnp.asarray(h, dt)
+        size = n if tol.size is None else tol.size
+        nonzero = h != 0
+        inv_h = jnp.where(nonzero, 1 / jnp.where(nonzero, h, 1), 0)
+        solver = self.linear_solver
+        # The iteration matrices from Jacobian-vector products at the step's start.
+        # They only steer the iteration (its derivative is implicit) and the error
+        # estimate, so no gradient flows through them.
+        y_c, p_c = jax.lax.stop_gradient((y, params))
+        jvp = jacobian_product(f, y_c, t, p_c)
+        shift_real = _GAMMA * inv_h
+        shift_re, shift_im = _ALPHA * inv_h, -_BETA * inv_h
+
+        def real_matrix(v):
+            return shift_real * v - jvp(v)
+
+        def pair_matrix(v):  # (shift_re + i shift_im - J) on (re, im) columns
+            re, im = v[:, 0], v[:, 1]
+            out_re = shift_re * re - shift_im * im - jvp(re)
+            out_im = shift_im * re + shift_re * im - jvp(im)
+            return jnp.stack([out_re, out_im], axis=1)
+
+        pair_solver = solver.coupled(2)
+        lu_real = jax.lax.stop_gradient(solver.init(real_matrix, y))
+        # The second preparation waits for the first (see `after`).
+        shift_re, shift_im = after((shift_re, shift_im), lu_real)
+        lu_pair = jax.lax.stop_gradient(pair_solver.init(pair_matrix, jnp.zeros((n, 2), dt)))
+
+        def stage_fields(z):
+            return jnp.stack([f(y + z[:, i], t + C[i] * h, params) for i in range(3)], axis=1)
+
+        scale = tol.atol + tol.rtol * jnp.abs(y_c[:size])
+
+        def norm(dw, w):
+            return jnp.sqrt(jnp.mean(jnp.square(dw[:size] / scale[:, None])))
+
+        def correction(w):
+            fw = _mix(T_INV, stage_fields(_mix(T, w)))
+            d_real = solver.solve(lu_real, fw[:, 0] - shift_real * w[:, 0])
+            rhs_re = fw[:, 1] - (shift_re * w[:, 1] - shift_im * w[:, 2])
+            rhs_im = fw[:, 2] - (shift_im * w[:, 1] + shift_re * w[:, 2])
+            d_pair = pair_solver.solve(lu_pair, jnp.stack([rhs_re, rhs_im], axis=1))
+            return jnp.concatenate([d_real[:, None], d_pair], axis=1)
+
+        eps = float(jnp.finfo(dt).eps)
+        kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
+
+        def newton(res, z0):
+            w, conv, _, _ = simplified_newton(
+                correction,
+                _mix(T_INV, z0),
+                norm,
+                kappa=kappa,
+                max_iters=NEWTON_ITERS,
+                eta0=1.0,
+            )
+            return _mix(T, w), conv
+
+        def residual(z):
+            return z - h * _mix(A, stage_fields(z))
+
+        z0 = jnp.zeros((n, 3), dt)
+        z, ok = custom_root(residual, z0, newton, solver.coupled(3), has_aux=True)
+        y1 = y + z[:, 2]
+        k_next = f(y1, t + h, params)
+        err = self._error(f, y_c, t, p_c, jax.lax.stop_gradient((k1, z)), inv_h, lu_real, tol)
+        ks = [z[:, i] * inv_h for i in range(3)]
+        return y1, err, k_next, ok, ks
+
+    def _error(self, f, y, t, params, k1_z, inv_h, lu_real, tol):
+        """Hairer's error estimate, refined by one more solve where it exceeds the
+        tolerance (see the module)."""
+        k1, z = k1_z
+        solver = self.linear_solver
+        ze = _mix(E[None], z)[:, 0] * inv_h
+        err = solver.solve(lu_real, k1 + ze)
+        size = y.shape[0] if tol.size is None else tol.size
+        y1 = y + z[:, 2]
+        w = tol.atol + tol.rtol * jnp.maximum(jnp.abs(y[:size]), jnp.abs(y1[:size]))
+        big = jnp.sqrt(jnp.mean(jnp.square(err[:size] / w))) > 1
+
+        def refine(err):
+            return solver.solve(lu_real, f(y + err, t, params) + ze)
+
+        return jax.lax.cond(big, refine, lambda e: e, err)

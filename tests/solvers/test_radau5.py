@@ -1,0 +1,129 @@
+"""Radau IIA of order 5 (`"radau5"`): its coefficients, order, stiff decay, interpolant,
+and batches (its derivatives against SciPy references are in test_odeint_stiff.py and
+test_odeint_structured.py; every transformation in test_odeint.py)."""
+
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from implicitdiff import linear_solve
+from solvers import odeint
+from solvers.ode.methods import Radau5, StageTolerance, radau5
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def test_coefficients():
+    """Collocation at the Radau points (row sums of A are c), stiffly accurate (the
+    last row is the weights 16-sqrt6/36, 16+sqrt6/36, 1/9), and T^-1 A^-1 T has the
+    real eigenvalue and the complex pair in the layout the iteration assumes."""
+    a, c = radau5.A, np.asarray(radau5.C)
+    np.testing.assert_allclose(a.sum(axis=1), c, rtol=1e-15, atol=1e-16)
+    s6 = np.sqrt(6.0)
+    np.testing.assert_allclose(a[-1], [(16 - s6) / 36, (16 + s6) / 36, 1 / 9], rtol=1e-15)
+    # B(5): the quadrature sum_i b_i c_i^(k-1) = 1/k is exact up to degree 4.
+    for k in range(1, 6):
+        assert abs(a[-1] @ c ** (k - 1) - 1 / k) < 1e-15
+    block = radau5.T_INV @ np.linalg.inv(a) @ radau5.T
+    gamma, alpha, beta = 3 + 3 ** (2 / 3) - 3 ** (1 / 3), radau5._ALPHA, radau5._BETA
+    expected = [[gamma, 0, 0], [0, alpha, beta], [0, -beta, alpha]]
+    np.testing.assert_allclose(block, expected, atol=1e-12)
+
+
+def _exact(t):  # y' = y cos t, y(0) = 1
+    return jnp.exp(jnp.sin(t))
+
+
+def test_local_error_is_of_order_six(x64):
+    """One step of size h on y' = y cos t: the local error of an order-5 method falls
+    by 2^6 when h halves."""
+
+    def f(y, t, p):
+        return y * jnp.cos(t)
+
+    m = Radau5()
+    tol = StageTolerance(rtol=1e-14, atol=1e-14)
+    t0 = 0.3
+    y0 = _exact(t0)[None]
+    errors = []
+    for h in (0.2, 0.1, 0.05):
+        y1 = m.step(f, y0, f(y0, t0, ()), t0, h, (), tol=tol)[0]
+        errors.append(abs(float(y1[0] - _exact(t0 + h))))
+    ratios = [errors[0] / errors[1], errors[1] / errors[2]]
+    assert all(50 < r < 80 for r in ratios), (errors, ratios)
+
+
+def test_stiff_component_decays_in_one_step(x64):
+    """L-stability and stiff accuracy: on y' = -1e8 (y - cos t), from 4 off the slow
+    solution, one step of size 1 lands on it, where an A-stable method that is not
+    L-stable (the trapezoidal rule) would keep an offset of 4."""
+
+    def f(y, t, p):
+        return -1e8 * (y - jnp.cos(t))
+
+    y0 = jnp.array([5.0])
+    tol = StageTolerance(rtol=1e-10, atol=1e-10)
+    y1, _, _, ok = Radau5().step(f, y0, f(y0, 0.0, ()), 0.0, 1.0, (), tol=tol)
+    assert bool(ok)
+    # The slow solution is cos t + O(1e-8); the step's own error on it is about 1e-7.
+    assert abs(float(y1[0]) - np.cos(1.0)) < 1e-6
+
+
+def test_interpolant_is_the_collocation_polynomial(x64):
+    """`interpolate=True` outputs inside the steps match the exact solution to the
+    tolerance (the collocation polynomial through the stages)."""
+
+    def f(y, t):
+        return y * jnp.cos(t)
+
+    ts = jnp.linspace(0.0, 6.0, 61)
+    ys, info = odeint(
+        f, jnp.array([1.0]), ts, method="radau5", rtol=1e-6, atol=1e-6,
+        interpolate=True, return_info=True,
+    )  # fmt: skip
+    assert int(info.steps) < 60  # so outputs lie inside steps
+    np.testing.assert_allclose(ys[:, 0], _exact(ts), rtol=3e-6)
+
+
+_BATCH = """
+import jax, jax.numpy as jnp
+jax.config.update("jax_enable_x64", True)
+from solvers import odeint
+
+def solve(lam):
+    a = jnp.diag(jnp.full(24, lam)) + 0.1 * jnp.eye(24, k=1) - 0.1 * jnp.eye(24, k=-1)
+    f = lambda y, t: a @ y + jnp.cos(t)
+    ts = jnp.array([0.0, 1.0])
+    return odeint(f, jnp.ones(24), ts, method="radau5", rtol=1e-8, atol=1e-8)[-1]
+
+lam = jnp.linspace(-1.0, -1e4, 16)
+batched = jax.jit(jax.vmap(solve))(lam)
+one = jax.jit(solve)
+print(max(float(jnp.max(jnp.abs(batched[i] - one(lam[i])))) for i in (0, 7, 15)))
+"""
+
+
+def test_vmap_batch_of_sixteen():
+    """A batch large enough for the LU factorisations to split over the CPU thread
+    pool: the two factorisations of a step must run one after the other (with both
+    at once on a two-core machine, each waits for the other forever). Run in a
+    subprocess, so that a hang fails the test instead of stalling the suite. Each
+    element matches its own solve."""
+    out = subprocess.run(
+        [sys.executable, "-c", _BATCH], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-9
+
+
+def test_coupled_bandwidths():
+    """`coupled(m)` widens a band for m interleaved copies, and leaves a dense or
+    matrix-free solver as it is."""
+    band = linear_solve.Banded(lower=2, upper=1, throw=False)
+    assert band.coupled(3) == linear_solve.Banded(lower=8, upper=5, throw=False)
+    assert band.coupled(1) == band
+    dense = linear_solve.Dense()
+    assert dense.coupled(2) is dense
