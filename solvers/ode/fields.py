@@ -112,12 +112,35 @@ class TangentField:
             field = lambda y, t, p: f(y, t, *p, pn)  # noqa: E731
             return method.step_with_stages(field, y, k1, t, h, (p,), tol=base_tol)
 
+        k_primal, k_tangent = split_carry(kz, n)
         (y1, err, k_next, ok, ks), (v1, _, dk_next, _, dks) = jax.jvp(
-            primal, (z[:n], kz[:n], tuple(pd[:k])), (z[n:], kz[n:], tuple(pd[k:]))
+            primal, (z[:n], k_primal, tuple(pd[:k])), (z[n:], k_tangent, tuple(pd[k:]))
         )
         join = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
         err = join(err, jnp.zeros_like(err))
-        return join(y1, v1), err, join(k_next, dk_next), ok, [join(a, b) for a, b in zip(ks, dks)]
+        ks = [join(a, b) for a, b in zip(ks, dks)]
+        return join(y1, v1), err, join_carry(k_next, dk_next, n), ok, ks
+
+
+def _has_last_axis(x, size):
+    return jnp.ndim(x) >= 1 and jnp.shape(x)[-1] == size
+
+
+def split_carry(carry, n):
+    """A method's carry for the pair `(y, v)` of `TangentField` (each state-shaped
+    leaf holding both along its last axis) as the primal carry and its tangent; the
+    method's own scalars go to the primal with a zero tangent."""
+    leaves, tree = jax.tree_util.tree_flatten(carry)
+    primal = [x[..., :n] if _has_last_axis(x, 2 * n) else x for x in leaves]
+    tangent = [x[..., n:] if _has_last_axis(x, 2 * n) else jnp.zeros_like(x) for x in leaves]
+    return tree.unflatten(primal), tree.unflatten(tangent)
+
+
+def join_carry(primal, tangent, n):
+    """The inverse of `split_carry`: state-shaped leaves joined along their last
+    axis, scalars from the primal."""
+    pair = lambda a, b: jnp.concatenate([a, b], -1) if _has_last_axis(a, n) else a  # noqa: E731
+    return jax.tree_util.tree_map(pair, primal, tangent)
 
 
 class AdjointField:

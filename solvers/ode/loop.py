@@ -35,7 +35,15 @@ from .info import DT_UNDERFLOW, EVENT, MAX_STEPS, NONFINITE, SUCCESS
 from .methods import AbstractMethod, StageTolerance
 from .state import RecordBuffers, StepState
 
-__all__ = ["LoopConfig", "Taken", "attempt", "checkpoint_every", "stepper", "while_any"]
+__all__ = [
+    "LoopConfig",
+    "Taken",
+    "attempt",
+    "checkpoint_every",
+    "select",
+    "stepper",
+    "while_any",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +141,15 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
     h_step = jnp.where(last, to_end, h)
     y1, err, k1, ok, ks = step(y, k, t, h_step.astype(tdt), params, cfg.stage_tol)
     t1 = jnp.where(last, target, t + h_step)
-    finite = jnp.all(jnp.isfinite(y1)) & jnp.all(jnp.isfinite(k1))
+    slope1 = method.slope(k1)
+    finite = jnp.all(jnp.isfinite(y1)) & jnp.all(jnp.isfinite(slope1))
     if method.adaptive:
         ratio = jax.lax.stop_gradient(
             controller.rms_ratio(err, y, y1, cfg.rtol, cfg.atol, cfg.err_size)
         )
         good = ok & finite & jnp.isfinite(ratio)
         accept = good & (ratio <= 1.0)
-        h_new = controller.next_size(h_step, ratio, good, accept, method.order)
+        h_new = method.next_size(h_step, ratio, good, accept, jax.lax.stop_gradient(k1))
         # A step shortened to hit an output says little about the step size.
         h_new = jnp.where(accept & last, jnp.maximum(h_new, h), h_new)
         h_new = jnp.minimum(h_new, cfg.hmax)
@@ -153,7 +162,9 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
     status = s.status
     if not method.adaptive:
         status = jnp.where(live & ~finite, NONFINITE, status)
-    tiny = h_new <= 4 * eps * jnp.maximum(jnp.abs(t), jnp.abs(target))
+    # Below the resolution of `t` where the solve stands (not where it is going: on a
+    # long span the first steps are legitimately far smaller than the final time's ulp).
+    tiny = h_new <= 4 * eps * jnp.maximum(jnp.abs(t), jnp.finfo(tdt).tiny)
     underflow = live & ~accept & tiny
     status = jnp.where(underflow, jnp.where(finite, DT_UNDERFLOW, NONFINITE), status)
     status = jnp.where(live & ~(accept & last) & (tries >= cfg.mxstep), MAX_STEPS, status)
@@ -171,7 +182,7 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
     new = StepState(
         t=jnp.where(accept, t1, t),
         y=jnp.where(accept, y1, y),
-        k=jnp.where(accept, k1, k),
+        k=select(accept, k1, k),
         h=h_new,
         acc=acc,
         rej=s.rej + (live & ~accept).astype(jnp.int32),
@@ -187,8 +198,19 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
         )
     if cfg.progress:
         progress.report(new, *span)
-    taken = Taken(t=t, h=h_step, y=y, y1=y1, k_next=k1, ks=ks, accept=accept, live=live)
+    taken = Taken(t=t, h=h_step, y=y, y1=y1, k_next=slope1, ks=ks, accept=accept, live=live)
     return new, rec, taken
+
+
+def select(which, a, b):
+    """`a` where `which` (a scalar, or a leading part of the shapes), else `b`: leaf
+    by leaf for two pytrees of the same structure (a method's carries)."""
+
+    def one(x, y):
+        w = jnp.reshape(which, jnp.shape(which) + (1,) * (jnp.ndim(x) - jnp.ndim(which)))
+        return jnp.where(w, x, y)
+
+    return jax.tree_util.tree_map(one, a, b)
 
 
 def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
@@ -209,9 +231,9 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
         t=rec.t.at[slot].set(s.t),
         h=rec.h.at[slot].set(h_step),
         y_cp=rec.y_cp.at[cp].set(y1),
-        k_cp=rec.k_cp.at[cp].set(k1),
+        k_cp=jax.tree_util.tree_map(lambda b, x: b.at[cp].set(x), rec.k_cp, k1),
         y_last=rec.y_last.at[row].set(s.y),
-        k_last=rec.k_last.at[row].set(s.k),
+        k_last=jax.tree_util.tree_map(lambda b, x: b.at[row].set(x), rec.k_last, s.k),
     )
     return rec, accept & (acc > cfg.record)
 
@@ -222,6 +244,7 @@ def initial_state(cfg: LoopConfig, f, y0, ts, params) -> tuple[StepState, Record
     tdt = ts.dtype
     t0 = ts[0]
     k0 = f(y0, t0, params)
+    carry0 = method.initial_carry(y0, k0)
     if method.adaptive:
         h0 = controller.initial_step(
             method, f, y0, k0, t0, params, cfg.rtol, cfg.atol, cfg.err_size
@@ -234,19 +257,31 @@ def initial_state(cfg: LoopConfig, f, y0, ts, params) -> tuple[StepState, Record
     status0 = jnp.where(jnp.all(jnp.isfinite(k0)), SUCCESS, NONFINITE).astype(jnp.int32)
     g0 = None if cfg.event is None else jnp.sign(cfg.event(y0, t0, params))
     state = StepState(
-        t=t0, y=y0, k=k0, h=h0, acc=zero, rej=zero, failed=zero, tries=zero, status=status0, g=g0
+        t=t0,
+        y=y0,
+        k=carry0,
+        h=h0,
+        acc=zero,
+        rej=zero,
+        failed=zero,
+        tries=zero,
+        status=status0,
+        g=g0,
     )
     rec = None
     if cfg.record:
         n, dt = y0.shape[0], y0.dtype
         every = cfg.every
         n_cp = cfg.record // every + 3  # the last one is a spare
+        slots = lambda m: lambda x: jnp.zeros((m,) + jnp.shape(x), jnp.result_type(x))  # noqa: E731
         rec = RecordBuffers(
             t=jnp.zeros((cfg.record + 1,), tdt),  # the last one is a spare
             h=jnp.zeros((cfg.record + 1,), tdt),
             y_cp=jnp.zeros((n_cp, n), dt).at[0].set(y0),
-            k_cp=jnp.zeros((n_cp, n), dt).at[0].set(k0),
+            k_cp=jax.tree_util.tree_map(
+                lambda b, x: b.at[0].set(x), jax.tree_util.tree_map(slots(n_cp), carry0), carry0
+            ),
             y_last=jnp.zeros((every + 1, n), dt),  # the last one is a spare
-            k_last=jnp.zeros((every + 1, n), dt),
+            k_last=jax.tree_util.tree_map(slots(every + 1), carry0),
         )
     return state, rec

@@ -113,7 +113,8 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None) -> Integration:
         if out_theta is None:  # every output is a step end
             out_theta = jnp.ones(out_step.shape, tdt)
         every = cfg.every
-        buffers = dataclasses.replace(rec, y_last=rec.y_last[:every], k_last=rec.k_last[:every])
+        k_last = jax.tree_util.tree_map(lambda b: b[:every], rec.k_last)
+        buffers = dataclasses.replace(rec, y_last=rec.y_last[:every], k_last=k_last)
         record = Record(buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc)
     if cfg.progress:
         progress.report_done(state)

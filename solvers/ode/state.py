@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 from jaxtyping import Array, Float, Int
 
@@ -14,7 +16,8 @@ class StepState(eqx.Module):
     Attributes:
         t: the time reached.
         y: the state there (flat).
-        k: the derivative there as the last step carried it (see the methods).
+        k: the method's carry there (a pytree; by default the derivative as the last
+            step computed it; see `solvers.ode.methods`).
         h: the next step size to try.
         acc: accepted steps.
         rej: rejected attempts.
@@ -27,7 +30,7 @@ class StepState(eqx.Module):
 
     t: Float[Array, ...]
     y: Array
-    k: Array
+    k: Any
     h: Float[Array, ...]
     acc: Int[Array, ...]
     rej: Int[Array, ...]
@@ -45,18 +48,19 @@ class RecordBuffers(eqx.Module):
         h: each accepted step's size.
         y_cp: the state every `every` accepted steps, from step 0 (the last slot a
             spare).
-        k_cp: the carried derivative at those states: a replay from a checkpoint
-            starts from it, so it repeats the solve's steps exactly.
+        k_cp: the method's carry at those states (a pytree, each leaf with a leading
+            slot axis): a replay from a checkpoint starts from it, so it repeats the
+            solve's steps exactly.
         y_last: the starts of the latest `every` steps, step `k` in slot `k % every`.
-        k_last: the carried derivative at those starts.
+        k_last: the carry at those starts.
     """
 
     t: Float[Array, ...]
     h: Float[Array, ...]
     y_cp: Float[Array, ...]
-    k_cp: Float[Array, ...]
+    k_cp: Any
     y_last: Float[Array, ...]
-    k_last: Float[Array, ...]
+    k_last: Any
 
 
 class Record(eqx.Module):

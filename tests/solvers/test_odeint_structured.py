@@ -47,6 +47,11 @@ CASES = [
         marks=pytest.mark.slow,
     ),
     pytest.param("rober", "radau5", dict(jac=rober_jac), id="rober-radau5-jac"),
+    pytest.param("rober", "bdf", dict(jac=rober_jac), id="rober-bdf-jac"),
+    pytest.param(
+        "bruss16", "bdf", dict(linear_solver=BRUSS_BAND), id="bruss16-bdf-banded",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(
         "hires", "rodas5p", dict(linear_solver="gmres"), id="hires-rodas5p-gmres",
         marks=pytest.mark.slow,
@@ -139,7 +144,7 @@ def test_user_jacobian_pytree_state_and_every_mode(x64):
     )
 
 
-@pytest.mark.parametrize("method", ["rodas5p", "radau5"])
+@pytest.mark.parametrize("method", ["rodas5p", "radau5", "bdf"])
 def test_banded_stage_solves_on_a_line_of_points(x64, method):
     """The Brusselator stored point by point (`(points, 2)`, bandwidths 2): the banded
     solve takes the dense solve's steps and gives its solution and gradient (radau5

@@ -38,7 +38,7 @@ from ..interpolation import (
     output_moments,
     pull_back_outputs,
 )
-from ..loop import LoopConfig, stepper
+from ..loop import LoopConfig, select, stepper
 from ..outputs import output_window
 
 __all__ = ["CheckpointSweep", "batch_first", "batched_sweep", "shared_or_first"]
@@ -174,10 +174,12 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     """The batched sweep: `(y0_bar (batch, n), pd_bar)`. Arrays carry a leading batch
     axis; `p_axes = (pd axes, pn axes)` are pytrees of 0 (batched) or None (shared).
 
-    Each step is pulled back with `f(y, t)` at its start (`k1`) as an input, not
-    recomputed: that value is also the end derivative (`k1_next`) of the step before,
-    so its cotangent is handed to that step, which evaluates `f` there anyway. One
-    field evaluation per step fewer, and one pull-back through `f(y0, t0)` at the end.
+    Each step is pulled back with the method's carry at its start (`k1`, by default
+    `f(y, t)`) as an input, not recomputed: that value is also the end carry of the
+    step before, so its cotangent is handed to that step, which computed it anyway.
+    One field evaluation per step fewer, and one pull-back through the first carry,
+    `initial_carry(y0, f(y0, t0))`, at the end. Carries are pytrees (each leaf with
+    the batch axis first).
     """
     y_cp, k_cp, y_last, k_last = y_cp
     rec_t, rec_h, out_step, out_theta, steps = rec
@@ -189,10 +191,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     step = stepper(f, method)
 
     def one_step(y, k1, t, h, pd, pn):
-        # One element's step from `y` with `k1 = f(y, t)`, with what its interpolant is
-        # built from: (y1, k_next, ks).
+        # One element's step from `y` with carry `k1`, with what its interpolant is
+        # built from: (y1, k_next, f at y1, ks).
         y1, _, k_next, _, ks = step(y, k1, t, h, (pd, pn), loop.stage_tol)
-        return y1, k_next, ks
+        return y1, k_next, method.slope(k_next), ks
 
     batch_step = jax.vmap(one_step, (0, 0, 0, 0, pd_axes, pn_axes))
     batch_field = jax.vmap(f, (0, 0, pd_axes, pn_axes))
@@ -203,8 +205,8 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         return rec_t[:, k], rec_h[:, k]
 
     def masked(keep, x):
-        # `x` where `keep` (a leading part of its shape), else 0.
-        return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim)), x, 0)
+        # `x` where `keep` (a leading part of its shape), else 0; leaf by leaf.
+        return select(keep, x, jax.tree_util.tree_map(jnp.zeros_like, x))
 
     if loop.interpolate and n_out * n <= _GROUPED_MAX:
         # Few numbers in all: the outputs' moments (`output_moments`) are summed per
@@ -271,7 +273,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             basis_ct, ptr = output_cotangents(k, active, ptr)
             # (The outputs' cotangents are zero for a masked element.)
             ct_y1 = a + basis_ct[:, BASIS_Y1]
-            ct_k_next = k1_bar + basis_ct[:, BASIS_K_NEXT]
+            ct_slope = basis_ct[:, BASIS_K_NEXT]
             ct_ks = [basis_ct[:, BASIS_STAGES + r] for r in range(method.stages)]
             y_direct = basis_ct[:, BASIS_Y]
         else:
@@ -280,10 +282,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
             hit = active & (ptr >= 1) & (here == k + 1)
             g_hit = jnp.take_along_axis(g, rows[:, :, None], 1)[:, 0]
-            ct_y1, ct_k_next = a + masked(hit, g_hit), k1_bar
+            ct_y1, ct_slope = a + masked(hit, g_hit), zeros
             ct_ks, y_direct = [zeros] * method.stages, zeros
             ptr = ptr - hit.astype(ptr.dtype)
-        da, dk1, dp = pullback((ct_y1, masked(active, ct_k_next), ct_ks))
+        da, dk1, dp = pullback((ct_y1, masked(active, k1_bar), ct_slope, ct_ks))
         return da + y_direct, dk1, dp, ptr
 
     # Segments of `every` steps, last first. The loop counters are the same for every
@@ -305,31 +307,38 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         def forward(j, c):
             ys, k1s = c
             t, h = step_at(k0 + j)
-            y1, k_next, _ = batch_step(ys[:, j], k1s[:, j], t, h, pd, pn)
-            more = (j + 1 < m)[:, None]
-            ys = ys.at[:, j + 1].set(jnp.where(more, y1, ys[:, j]))
-            return ys, k1s.at[:, j + 1].set(jnp.where(more, k_next, k1s[:, j]))
+            k1 = jax.tree_util.tree_map(lambda b: b[:, j], k1s)
+            y1, k_next, _, _ = batch_step(ys[:, j], k1, t, h, pd, pn)
+            more = j + 1 < m
+            ys = ys.at[:, j + 1].set(jnp.where(more[:, None], y1, ys[:, j]))
+            k1s = jax.tree_util.tree_map(
+                lambda b, x: b.at[:, j + 1].set(x), k1s, select(more, k_next, k1)
+            )
+            return ys, k1s
 
         replay = max_over_batch(jnp.max(jnp.where(kept, 0, m)))
 
         def replayed():
-            y_start, k_start = y_cp[:, seg], k_cp[:, seg]
+            y_start = y_cp[:, seg]
             ys = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(y_start)
-            k1s = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(k_start)
+            k1s = jax.tree_util.tree_map(
+                lambda last, cp: jnp.zeros_like(last).at[:, 0].set(cp[:, seg]), k_last, k_cp
+            )
             return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s))
 
         # No replay at all (and no field evaluation) when every element kept its states.
         ys, k1s = jax.lax.cond(replay > 0, replayed, lambda: (y_last, k_last))
-        ys = jnp.where(kept[:, None, None], y_last, ys)
-        k1s = jnp.where(kept[:, None, None], k_last, k1s)
+        ys = select(kept, y_last, ys)
+        k1s = select(kept, k_last, k1s)
 
         def back(jj, c):
             a, k1_bar, pd_bar, ptr = c
             j = m_max - 1 - jj
             active = j < m
-            da, dk1, dp, ptr = pull_back_step(k0 + j, ys[:, j], k1s[:, j], active, a, k1_bar, ptr)
+            k1 = jax.tree_util.tree_map(lambda b: b[:, j], k1s)
+            da, dk1, dp, ptr = pull_back_step(k0 + j, ys[:, j], k1, active, a, k1_bar, ptr)
             a = jnp.where(active[:, None], da, a)
-            k1_bar = jnp.where(active[:, None], dk1, k1_bar)
+            k1_bar = select(active, dk1, k1_bar)
             # A shared leaf's cotangent is already summed over the batch (the masked
             # elements added zeros); a batched leaf keeps its own per element.
             pd_bar = jax.tree_util.tree_map(
@@ -350,10 +359,16 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # The last output reached (with dense output, the last step's row).
         last = jnp.minimum(n_out - 1, steps)
     zeros = jnp.zeros((size, n), g.dtype)
-    init = (zeros, zeros, jax.tree_util.tree_map(jnp.zeros_like, pd), last.astype(jnp.int32))
+    carry_zeros = jax.tree_util.tree_map(lambda b: jnp.zeros_like(b[:, 0]), k_cp)
+    init = (zeros, carry_zeros, jax.tree_util.tree_map(jnp.zeros_like, pd), last.astype(jnp.int32))
     a, k1_bar, pd_bar, _ = jax.lax.fori_loop(0, n_seg, segment, init)
-    # The first step's `k1 = f(y0, t0)`.
-    _, pullback = jax.vjp(lambda y, pd: batch_field(y, rec_t[:, 0], pd, pn), y_cp[:, 0], pd)
+    # The first step's carry, `initial_carry(y0, f(y0, t0))`.
+    initial_carry = jax.vmap(method.initial_carry)
+
+    def first_carry(y, pd):
+        return initial_carry(y, batch_field(y, rec_t[:, 0], pd, pn))
+
+    _, pullback = jax.vjp(first_carry, y_cp[:, 0], pd)
     da, dp = pullback(k1_bar)
     pd_bar = jax.tree_util.tree_map(jnp.add, pd_bar, dp)
     return a + da + g[:, 0], pd_bar

@@ -26,6 +26,7 @@ from ._base import AbstractMethod, ButcherTableau, StageTolerance
 from ._esdirk import ESDIRK
 from ._rosenbrock import Rosenbrock, RosenbrockTableau
 from ._runge_kutta import ExplicitRungeKutta, TableauMethod
+from .bdf import BDF, BDFCarry
 from .bosh3 import Bosh3
 from .dopri5 import Dopri5
 from .dopri8 import Dopri8
@@ -52,6 +53,8 @@ __all__ = [
     "Dopri8",
     "Kvaerno5",
     "Radau5",
+    "BDF",
+    "BDFCarry",
     "Rodas5P",
     "Rodas4",
     "RK4",
@@ -80,6 +83,7 @@ for _method in (
     Dopri8(),
     Kvaerno5(),
     Radau5(),
+    BDF(),
     Rodas5P(),
     Rodas4(),
     RK4(),

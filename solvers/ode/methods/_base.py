@@ -3,14 +3,24 @@ interpolants ask of a method, and the tableau most methods are built from.
 
 A method advances a flat state vector by one step:
 
-    step_with_stages(f, y, k1, t, h, params, tol) -> (y1, y_error, k1_next, ok, stages)
+    step_with_stages(f, y, carry, t, h, params, tol) -> (y1, y_error, carry1, ok, stages)
 
-where `f(y, t, params)` is the flattened vector field, `k1` is `f` at `(t, y)` as the
-previous step carried it (first same as last, or the derivative an implicit method
-takes from its last stage equation), `y_error` the embedded error estimate (zeros for a
-fixed-step method), `ok` False when an implicit stage solve failed (the step is then
-retried smaller) and `stages` the stage derivatives, from which the interpolant inside
-the step is built (`solvers.ode.interpolation`).
+where `f(y, t, params)` is the flattened vector field, `y_error` the embedded error
+estimate (zeros for a fixed-step method), `ok` False when an implicit stage solve
+failed (the step is then retried smaller) and `stages` the stage derivatives, from
+which the interpolant inside the step is built (`solvers.ode.interpolation`).
+
+`carry` is what a method hands from one accepted step to the next. For most methods
+it is `f` at `(t, y)` as the previous step computed it (first same as last, or the
+derivative an implicit method takes from its last stage equation). A multistep method
+carries its history, a method with a Newton iteration the last step's stages for its
+next starting guess. A carry is a pytree (`initial_carry` builds the first one); its
+leaves whose last axis has the state's length are part of the state (differentiated,
+and split in two for forward sensitivities); any other leaf is a scalar the method
+keeps for itself (an order, a step size), not differentiated. The stepping loop
+records carries for the checkpointed adjoint, so a replayed step repeats the solve's
+step exactly, and the adjoint differentiates through the carry: a method whose result
+depends on its history gets the derivative of that dependence too.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ import dataclasses
 from typing import Any
 
 import jax
+
+from .. import controller
 
 __all__ = ["AbstractMethod", "ButcherTableau", "StageTolerance", "after", "jacobian_product"]
 
@@ -169,6 +181,23 @@ class AbstractMethod(abc.ABC):
     def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
         """One step from `(t, y)` of size `h`: `(y1, y_error, k1_next, ok, stages)`."""
 
-    def step(self, f, y, k1, t, h, params, *, tol=None):
-        """`step_with_stages` without the stages: `(y1, y_error, k1_next, ok)`."""
-        return self.step_with_stages(f, y, k1, t, h, params, tol=tol)[:4]
+    def step(self, f, y, carry, t, h, params, *, tol=None):
+        """`step_with_stages` without the stages: `(y1, y_error, carry1, ok)`."""
+        return self.step_with_stages(f, y, carry, t, h, params, tol=tol)[:4]
+
+    def initial_carry(self, y0, k0):
+        """The carry at the start from `y0` and `k0 = f(y0, t0)` (see the module): by
+        default `k0` itself. Differentiable in both."""
+        return k0
+
+    def slope(self, carry):
+        """`f` at the carry's point, for the interpolant and the finiteness checks:
+        by default the carry itself."""
+        return carry
+
+    def next_size(self, h_step, ratio, good, accept, carry1):
+        """The next step size after an attempt of size `h_step` with error `ratio`
+        (in units of the tolerance; `good`: the step computed finite values and its
+        stage solves converged), `carry1` the attempt's carry. By default the
+        controller of `solvers.ode.controller` with the method's `order`."""
+        return controller.next_size(h_step, ratio, good, accept, self.order)

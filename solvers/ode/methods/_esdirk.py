@@ -126,7 +126,7 @@ class ESDIRK(TableauMethod):
             return jnp.sqrt(jnp.mean(jnp.square(jnp.abs(dz[:size]) / scale)))
 
         def newton(res, z0, lu, eta0):
-            z, conv, eta = simplified_newton(
+            z, conv, eta, _ = simplified_newton(
                 lambda z: solver.solve(lu, -res(z)),
                 z0,
                 weighted_norm,

@@ -35,7 +35,7 @@ def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0):
             a previous solve's, damped as `eta0 ** 0.8`.
 
     Returns:
-        `(x, converged, eta)`.
+        `(x, converged, eta, iterations)`.
     """
     rdt = jnp.finfo(jnp.result_type(x0)).dtype
     eps = float(jnp.finfo(rdt).eps)
@@ -59,5 +59,5 @@ def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0):
 
     one = jnp.asarray(1.0, rdt)
     init = (x0, jnp.asarray(_RUNNING), jnp.asarray(0), one, jnp.asarray(eta0, rdt))
-    x, state, _, _, eta = jax.lax.while_loop(cond, body, init)
-    return x, state == _CONVERGED, eta
+    x, state, iters, _, eta = jax.lax.while_loop(cond, body, init)
+    return x, state == _CONVERGED, eta, iters

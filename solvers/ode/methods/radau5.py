@@ -202,7 +202,7 @@ class Radau5(AbstractMethod):
         kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
 
         def newton(res, z0):
-            w, conv, _ = simplified_newton(
+            w, conv, _, _ = simplified_newton(
                 correction,
                 _mix(T_INV, z0),
                 norm,

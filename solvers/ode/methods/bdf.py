@@ -1,0 +1,278 @@
+"""Variable-order, variable-step backward differentiation formulas (`"bdf"`), for stiff
+problems: the numerical differentiation formulas (NDF) of orders 1 to 5, in the
+quasi-constant step form of Shampine and Reichelt (MATLAB's `ode15s`) that SciPy's `BDF`
+also uses.
+
+The method keeps the backward differences of its past solutions, `D[j] = nabla^j y`
+at the current step size, as its carry (`BDFCarry`). A step of order `q` predicts
+`y_pred = sum_{j <= q} D[j]` and solves
+
+    y1 - y_pred + psi = c f(y1, t + h),    c = h / alpha_q,
+    psi = sum_{1 <= j <= q} gamma_j D[j] / alpha_q,
+
+by a simplified Newton iteration with the matrix `I - c J`, `J` the Jacobian at the
+prediction (one Jacobian and one factorisation per attempt). The error estimate is
+`error_const[q] (y1 - y_pred)`. After an accepted step the differences are updated;
+once `q + 1` steps have been taken at one step size and order, the errors the orders
+`q - 1` and `q + 1` would have made are estimated from the differences, and the next
+order and step size are the ones that allow the largest step. A step of another size
+rescales the differences first (an exact change of the interpolating polynomial's
+spacing).
+
+Derivatives: the corrector goes through `implicitdiff.custom_root` (the implicit
+function theorem at its solution, never the iterations), and everything else is
+linear in the differences, which the carry holds. The checkpointed adjoint therefore
+differentiates through the whole history: the gradient is that of the computed
+solution, with the step sizes and orders held fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from implicitdiff import custom_root, linear_solve
+from implicitdiff.linear_solve import LinearSolver
+
+from ._base import AbstractMethod, StageTolerance, jacobian_product
+from ._newton import simplified_newton
+
+__all__ = ["BDF", "BDFCarry", "MAX_ORDER", "NEWTON_ITERS"]
+
+#: The highest order.
+MAX_ORDER = 5
+#: The most Newton iterations of one corrector solve.
+NEWTON_ITERS = 4
+_SHRINK_MIN, _GROW_MAX = 0.2, 10.0
+#: The NDF modifications of the BDF formulas of orders 1..5 (Shampine and Reichelt).
+_NDF_KAPPA = (0.0, -0.1850, -1 / 9, -0.0823, -0.0415, 0.0)
+
+
+def _coefficients(ndf: bool):
+    kappa = np.array(_NDF_KAPPA if ndf else (0.0,) * 6)
+    gamma = np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, MAX_ORDER + 1))])
+    alpha = (1 - kappa) * gamma
+    error_const = kappa * gamma + 1.0 / np.arange(1, MAX_ORDER + 2)
+    return gamma, alpha, error_const
+
+
+def _rescale_matrix(factor):
+    """The `(6, 6)` matrix `RU` with `D[:q+1] <- (RU[:q+1, :q+1])^T D[:q+1]` the
+    differences of order `q` for a step `factor` times as long (its leading blocks are
+    the matrices of the lower orders)."""
+    i = jnp.arange(1, MAX_ORDER + 1, dtype=factor.dtype)[:, None]
+    j = jnp.arange(1, MAX_ORDER + 1, dtype=factor.dtype)[None, :]
+
+    def r(f):
+        m = jnp.ones((MAX_ORDER + 1, MAX_ORDER + 1), factor.dtype)
+        m = m.at[1:, :].set(0).at[1:, 1:].set((i - 1 - f * j) / i)
+        return jnp.cumprod(m, axis=0)
+
+    return r(factor) @ r(jnp.ones_like(factor))
+
+
+class BDFCarry(eqx.Module):
+    """What `BDF` hands from one accepted step to the next.
+
+    Attributes:
+        k: `f` at the step's end, as the corrector equation gives it.
+        D: the backward differences, `MAX_ORDER + 3` rows, for steps of size `h`.
+        h: the step size the differences are for.
+        order: the order of the next step.
+        order_used: the order of the step that made this carry.
+        n_equal: steps taken at this order and step size.
+        grow: the step-size factor chosen after this step (1 while the order and
+            step size stay).
+        safety: the controller's safety factor, smaller after more Newton iterations.
+    """
+
+    k: Float[Array, ...]
+    D: Float[Array, ...]
+    h: Float[Array, ...]
+    order: Float[Array, ...]
+    order_used: Float[Array, ...]
+    n_equal: Float[Array, ...]
+    grow: Float[Array, ...]
+    safety: Float[Array, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BDF(AbstractMethod):
+    """Variable-order (1 to 5), variable-step NDF/BDF (see the module): few function
+    evaluations and one factorisation per step, the method of choice for large stiff
+    systems at moderate tolerances.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from solvers import odeint
+
+        def robertson(y, t):
+            y1, y2, y3 = y
+            return jnp.array([-0.04 * y1 + 1e4 * y2 * y3,
+                              0.04 * y1 - 1e4 * y2 * y3 - 3e7 * y2**2,
+                              3e7 * y2**2])
+
+        ys = odeint(robertson, jnp.array([1.0, 0.0, 0.0]), jnp.array([0.0, 40.0]),
+                    method="bdf", rtol=1e-6, atol=1e-10)
+        ```
+
+    Attributes:
+        ndf: the numerical differentiation formulas (the default; more accurate at the
+            same cost) rather than the plain backward differentiation formulas.
+        linear_solver: how the corrector and its derivative solve with `I - c J`, a
+            solver from `implicitdiff.linear_solve`: `Dense` (LU, the default),
+            `Banded`, or a Krylov method such as `GMRES`. Give it `throw=False` (a
+            failed corrector rejects the step).
+        order: the order of the first steps (the method chooses its own afterwards),
+            which also sets the first step size.
+    """
+
+    ndf: bool = True
+    linear_solver: LinearSolver = linear_solve.Dense(throw=False)
+    order: int = 1
+    name: str = "bdf"
+
+    @property
+    def adaptive(self) -> bool:
+        return True
+
+    @property
+    def implicit(self) -> bool:
+        return True
+
+    @property
+    def stages(self) -> int:
+        return 1
+
+    @property
+    def evals_per_step(self) -> int:
+        # Only the corrector's own evaluations (one per Newton iteration).
+        return 0
+
+    def initial_carry(self, y0, k0):
+        dt = y0.dtype
+        d = jnp.zeros((MAX_ORDER + 3,) + y0.shape, dt).at[0].set(y0).at[1].set(k0)
+        one = jnp.ones((), dt)
+        return BDFCarry(
+            k=k0, D=d, h=one, order=one, order_used=one, n_equal=0 * one, grow=one, safety=one
+        )
+
+    def slope(self, carry: BDFCarry):
+        return carry.k
+
+    def next_size(self, h_step, ratio, good, accept, carry1: BDFCarry):
+        exponent = -1.0 / (carry1.order_used + 1)
+        safe = jnp.where(good, ratio, jnp.inf)
+        shrink = jnp.where(good, jnp.maximum(_SHRINK_MIN, carry1.safety * safe**exponent), 0.5)
+        return h_step * jnp.where(accept, carry1.grow, jnp.minimum(shrink, 1.0))
+
+    def step_with_stages(self, f, y, carry: BDFCarry, t, h, params, *, tol=None):
+        tol = tol or StageTolerance()
+        n, dt = y.shape[0], y.dtype
+        size = n if tol.size is None else tol.size
+        gamma, alpha, error_const = (jnp.asarray(c, dt) for c in _coefficients(self.ndf))
+        h = jnp.asarray(h, dt)
+        info = jax.lax.stop_gradient((carry.h, carry.order, carry.n_equal))
+        h_old, order, n_equal = info
+        q = order.astype(jnp.int32)
+        rows = jnp.arange(MAX_ORDER + 3)
+
+        # The differences rescaled to this step's size (orders above `q` untouched).
+        factor = jax.lax.stop_gradient(h / h_old)
+        ru = _rescale_matrix(factor)
+        idx = jnp.arange(MAX_ORDER + 1)
+        inside = (idx[:, None] <= q) & (idx[None, :] <= q)
+        ru = jnp.where(inside, ru, jnp.eye(MAX_ORDER + 1, dtype=dt))
+        same = factor == 1
+        d_low = jnp.where(same, carry.D[: MAX_ORDER + 1], ru.T @ carry.D[: MAX_ORDER + 1])
+        D = carry.D.at[: MAX_ORDER + 1].set(d_low)
+        n_equal = jnp.where(same, n_equal, 0)
+
+        upto = (rows <= q).astype(dt)[:, None]
+        y_pred = jnp.sum(upto * D, axis=0)
+        psi = jnp.sum((upto * jnp.pad(gamma, (0, 2))[:, None])[1:] * D[1:], axis=0) / alpha[q]
+        c = h / alpha[q]
+        t1 = t + h
+
+        # The iteration matrix at the prediction; it only steers the iteration (the
+        # corrector's derivative is implicit), so no gradient flows through it.
+        solver = self.linear_solver
+        y_c, p_c, c_c = jax.lax.stop_gradient((y_pred, params, c))
+        jvp = jacobian_product(f, y_c, t1, p_c)
+        lu = jax.lax.stop_gradient(solver.init(lambda v: v - c_c * jvp(v), y))
+        eps = float(jnp.finfo(dt).eps)
+        kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
+
+        def norm(dz, z):
+            scale = tol.atol + tol.rtol * jnp.abs(y_c[:size])
+            return jnp.sqrt(jnp.mean(jnp.square(jnp.abs(dz[:size]) / scale)))
+
+        def residual(z):
+            return z - y_pred + psi - c * f(z, t1, params)
+
+        def solve(res, z0):
+            z, conv, _, iters = simplified_newton(
+                lambda z: solver.solve(lu, -res(z)),
+                z0,
+                norm,
+                kappa=kappa,
+                max_iters=NEWTON_ITERS,
+                eta0=1.0,
+            )
+            return z, (conv, iters)
+
+        y1, (ok, iters) = custom_root(residual, y_pred, solve, solver, has_aux=True)
+        ok, iters = jax.lax.stop_gradient((ok, iters))
+        d = y1 - y_pred
+        err = error_const[q] * d
+        nonzero = c != 0
+        k_next = jnp.where(nonzero, (d + psi) / jnp.where(nonzero, c, 1), carry.k)
+
+        # The differences after the step: D[q+2] = d - D[q+1], D[q+1] = d, then
+        # D[j] += D[j+1] for j = q, ..., 0.
+        D = jnp.where((rows == q + 2)[:, None], d - D[jnp.minimum(q + 1, MAX_ORDER + 2)], D)
+        D = jnp.where((rows == q + 1)[:, None], d, D)
+        for j in range(MAX_ORDER, -1, -1):
+            D = D.at[j].add(jnp.where(j <= q, D[j + 1], 0))
+        n_equal = n_equal + 1
+
+        # The next order and step size, once the order and size have held for q + 1
+        # steps: from the errors orders q - 1, q and q + 1 would make.
+        safety = 0.9 * (2 * NEWTON_ITERS + 1) / (2 * NEWTON_ITERS + iters.astype(dt))
+        stat = jax.lax.stop_gradient
+        scale = tol.atol + tol.rtol * jnp.abs(stat(y1[:size]))
+
+        def rms(e):
+            return jnp.sqrt(jnp.mean(jnp.square(stat(e[:size]) / scale)))
+
+        inf = jnp.asarray(jnp.inf, dt)
+        err_m = jnp.where(q > 1, rms(error_const[jnp.maximum(q - 1, 0)] * D[q]), inf)
+        err_p = jnp.where(
+            q < MAX_ORDER,
+            rms(error_const[jnp.minimum(q + 1, MAX_ORDER)] * D[jnp.minimum(q + 2, MAX_ORDER + 2)]),
+            inf,
+        )
+        norms = jnp.stack([err_m, rms(err), err_p])
+        powers = -1.0 / (order + jnp.arange(3, dtype=dt))
+        factors = jnp.where(norms == 0, inf, norms**powers)
+        due = n_equal >= order + 1
+        new_order = jnp.where(due, order + jnp.argmax(factors).astype(dt) - 1, order)
+        grow = jnp.where(due, jnp.minimum(_GROW_MAX, safety * jnp.max(factors)), 1.0)
+        one = jnp.ones((), dt)
+        carry1 = BDFCarry(
+            k=k_next,
+            D=D,
+            h=stat(h) * one,
+            order=stat(new_order),
+            order_used=order * one,
+            n_equal=jnp.where(due, 0, n_equal) * one,
+            grow=stat(grow),
+            safety=stat(safety),
+        )
+        return y1, err, carry1, ok, [carry.k]

@@ -1,0 +1,123 @@
+"""Variable-order BDF/NDF (`"bdf"`): the rescaling of its differences, its order
+selection, its accuracy against SciPy's BDF, and a history carried through replays
+and forward sensitivities (its derivatives against SciPy references are in
+test_odeint_stiff.py and test_odeint_structured.py; every transformation in
+test_odeint.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.integrate import solve_ivp
+
+from solvers import odeint
+from solvers.ode.methods import BDF, bdf
+
+from .stiff_problems import PROBLEMS
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _backward_differences(p, t, h, q):
+    """`nabla^j p(t)` for `j <= q` on the grid `t, t - h, ...` (from the samples)."""
+    rows = [np.array([p(t - i * h) for i in range(q + 1)])]
+    out = [rows[0][0]]
+    for _ in range(q):
+        rows.append(rows[-1][:-1] - rows[-1][1:])
+        out.append(rows[-1][0])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("factor", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("q", [1, 2, 3, 4, 5])
+def test_rescaled_differences_are_those_of_the_new_spacing(x64, q, factor):
+    """For a polynomial of degree `q` the differences of order `<= q` at one spacing
+    determine those at any other: rescaling by `factor` gives exactly the differences
+    on the grid `factor` times as fine (closed form from the samples)."""
+    coeffs = np.array([0.7, -1.3, 0.4, 2.1, -0.6, 0.25])[: q + 1]
+    p = lambda s: np.polyval(coeffs, s)  # noqa: E731
+    t, h = 1.7, 0.35
+    d = _backward_differences(p, t, h, q)
+    ru = np.asarray(bdf._rescale_matrix(jnp.asarray(factor)))
+    got = ru[: q + 1, : q + 1].T @ d
+    np.testing.assert_allclose(got, _backward_differences(p, t, factor * h, q), atol=1e-12)
+
+
+def test_order_rises_on_a_smooth_problem(x64):
+    """`y' = -y + cos t`: at order 5 a hundred times tighter tolerance costs about
+    `100 ** (1/6)` times the steps (at order 1 it would be ten times); the error
+    follows the tolerance (closed form)."""
+
+    def exact(t):
+        return 0.5 * (np.cos(t) + np.sin(t)) + 0.5 * np.exp(-t)
+
+    ts = jnp.linspace(0.0, 10.0, 11)
+    steps = {}
+    for rtol in (1e-8, 1e-10):
+        ys, info = odeint(
+            lambda y, t: -y + jnp.cos(t), 1.0, ts, method="bdf", rtol=rtol, atol=rtol,
+            return_info=True,
+        )  # fmt: skip
+        steps[rtol] = int(info.steps)
+        assert np.max(np.abs(ys - exact(np.asarray(ts)))) < 50 * rtol
+    assert steps[1e-10] < 2.5 * steps[1e-8], steps
+
+
+def test_robertson_as_accurate_as_scipy_bdf(x64):
+    """ROBER at rtol 1e-6: the error against SciPy's Radau at 1e-12 is no larger than
+    SciPy's own BDF makes at the same tolerance (within a factor of 2)."""
+    prob = PROBLEMS["rober"]
+    p, y0 = np.asarray(prob["p"]), np.asarray(prob["y0"])
+    ts = np.array([0.0, 40.0, 1e3, 1e5])
+
+    def f(y, t, p):
+        return prob["f"](y, t, p, jnp)
+
+    def f_np(t, y):
+        return np.asarray(prob["f"](y, t, p, np))
+
+    kw = dict(rtol=1e-6, atol=1e-10)
+    span = ts[[0, -1]]
+    ref = solve_ivp(f_np, span, y0, method="Radau", t_eval=ts, rtol=1e-12, atol=1e-16)
+    theirs = solve_ivp(f_np, span, y0, method="BDF", t_eval=ts, **kw)
+    ours = odeint(f, jnp.asarray(y0), jnp.asarray(ts), jnp.asarray(p), method="bdf", **kw)
+
+    def err(ys):
+        return np.max(np.abs(ys - ref.y.T) / (1e-10 + 1e-6 * np.abs(ref.y.T)))
+
+    assert err(np.asarray(ours)) < 2 * err(theirs.y.T), (err(np.asarray(ours)), err(theirs.y.T))
+
+
+def test_plain_bdf_formulas(x64):
+    """`BDF(ndf=False)`: the classical formulas, as accurate on a smooth problem."""
+
+    def exact(t):
+        return np.exp(-2 * t) * np.cos(3 * t)
+
+    def f(y, t):
+        return jnp.stack([-2 * y[0] - 3 * y[1], 3 * y[0] - 2 * y[1]])
+
+    ts = jnp.linspace(0.0, 3.0, 7)
+    for ndf in (True, False):
+        ys = odeint(f, jnp.array([1.0, 0.0]), ts, method=BDF(ndf=ndf), rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(ys[:, 0], exact(np.asarray(ts)), atol=5e-8)
+
+
+def test_history_survives_forward_sensitivities_and_vmap(x64):
+    """The carry (differences, order, step size) of the pair `(y, v)` splits into the
+    primal's and its tangent: forward mode matches reverse mode, and a vmapped solve
+    matches each element's own."""
+
+    def f(y, t, k):
+        return jnp.stack([y[1], -k[0] * y[0] - k[1] * (y[0] ** 2 - 1) * y[1]])
+
+    ts = jnp.linspace(0.0, 4.0, 5)
+
+    def loss(k):
+        return jnp.sum(odeint(f, jnp.array([2.0, 0.0]), ts, k, method="bdf", rtol=1e-8, atol=1e-8))
+
+    k = jnp.array([1.0, 5.0])
+    np.testing.assert_allclose(jax.jacfwd(loss)(k), jax.grad(loss)(k), rtol=1e-9)
+    ks = jnp.array([[1.0, 5.0], [2.0, 1.0], [0.5, 20.0]])
+    batched = jax.vmap(loss)(ks)
+    np.testing.assert_allclose(batched, [loss(x) for x in ks], rtol=1e-12)
