@@ -59,7 +59,7 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
         {m: ["-m", "benchmarks.pendulum", f"--{m}"] for m in ("quick", "full")},
     ),
     "stiff": (
-        "stiff problems of the IVP test set: odeint's kvaerno5 and rodas5p vs diffrax "
+        "stiff problems of the IVP test set: odeint's kvaerno5, radau5, bdf and rodas5p vs diffrax "
         "Kvaerno5 and SciPy Radau/BDF/LSODA (forward, steps, error, grad, compile; "
         "work-precision plot)",
         {m: ["-m", "benchmarks.stiff", f"--{m}"] for m in ("quick", "full")},

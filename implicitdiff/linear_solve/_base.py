@@ -102,6 +102,20 @@ class LinearSolver(abc.ABC):
             `x`, a pytree with the structure of `b`.
         """
 
+    def factors(self, state: PyTree) -> PyTree | None:
+        """The part of `state` a solve needs besides the operator, as a pytree of
+        arrays that can be kept across iterations of a loop (an iterative method
+        reuses a factorisation over several of its steps), or `None` for a solver
+        that keeps nothing of the kind (a Krylov method)."""
+        del state
+        return None
+
+    def solve_factors(self, factors: PyTree, b: PyTree) -> PyTree:
+        """`A^{-1} b` from `factors(state)` alone. Not differentiable in the operator
+        (it is not there): for iterations whose derivatives are taken another way,
+        such as a Newton iteration under `custom_root`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no factors (`factors` is None)")
+
     def coupled(self, m: int) -> LinearSolver:
         """This solver for `m` coupled copies of its unknowns: an operator on arrays of
         shape `(n, m)` (copy `s` of unknown `i` at `[i, s]`) whose coupling between

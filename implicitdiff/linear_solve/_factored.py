@@ -56,6 +56,12 @@ class Factored(LinearSolver):
             transpose_solve=functools.partial(self._factor_solve, factors, 0),
         )
 
+    def factors(self, state: PyTree) -> PyTree:
+        return tuple(state[1:])
+
+    def solve_factors(self, factors: PyTree, b: PyTree) -> PyTree:
+        return self._factor_solve(tuple(factors), 0, None, b)
+
     def _factor_solve(self, factors, trans: int, matvec: MatVec, b: PyTree) -> PyTree:
         """`_apply` on the pytree `b` (`matvec` is the operator being inverted; the
         factors already stand for it), checked for finiteness when `throw`."""

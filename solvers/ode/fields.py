@@ -16,6 +16,8 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import custom_jvp
 
+from .methods import combine_carry, partition_carry
+
 __all__ = ["FlatField", "TangentField", "AdjointField"]
 
 
@@ -107,40 +109,50 @@ class TangentField:
         pd, pn = params
         f = self.f
         base_tol = dataclasses.replace(tol, size=None)
+        pair, memory = partition_carry(kz)
+        k_primal = combine_carry(_halves(pair, n, 0), memory)
 
-        def primal(y, k1, p):
+        def primal(y, values, p):
             field = lambda y, t, p: f(y, t, *p, pn)  # noqa: E731
-            return method.step_with_stages(field, y, k1, t, h, (p,), tol=base_tol)
+            y1, err, k_next, ok, ks = method.step_with_stages(
+                field, y, combine_carry(values, memory), t, h, (p,), tol=base_tol
+            )
+            values, memory1 = partition_carry(k_next)
+            return (y1, err, values, ok, ks), memory1
 
-        k_primal, k_tangent = split_carry(kz, n)
-        (y1, err, k_next, ok, ks), (v1, _, dk_next, _, dks) = jax.jvp(
-            primal, (z[:n], k_primal, tuple(pd[:k])), (z[n:], k_tangent, tuple(pd[k:]))
+        (y1, err, k_next, ok, ks), (v1, _, dk_next, _, dks), memory1 = jax.jvp(
+            primal,
+            (z[:n], partition_carry(k_primal)[0], tuple(pd[:k])),
+            (z[n:], _halves(pair, n, 1), tuple(pd[k:])),
+            has_aux=True,
         )
         join = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
         err = join(err, jnp.zeros_like(err))
         ks = [join(a, b) for a, b in zip(ks, dks)]
-        return join(y1, v1), err, join_carry(k_next, dk_next, n), ok, ks
+        return join(y1, v1), err, combine_carry(_joined(k_next, dk_next), memory1), ok, ks
+
+    def initial_carry(self, method, z0, kz0):
+        """The method's first carry for the pair: its own for `y0` with the tangent of
+        its values beside them."""
+        n = self.n
+
+        def values(y, k):
+            return partition_carry(method.initial_carry(y, k))
+
+        (primal, memory), (tangent, _) = jax.jvp(
+            values, (z0[:n], kz0[:n]), (z0[n:], kz0[n:]), has_aux=False
+        )
+        return combine_carry(_joined(primal, tangent), memory)
 
 
-def _has_last_axis(x, size):
-    return jnp.ndim(x) >= 1 and jnp.shape(x)[-1] == size
+def _halves(values, n, which):
+    """The primal (`which=0`) or tangent half of each of the pair's carried values."""
+    return jax.tree_util.tree_map(lambda x: x[..., n:] if which else x[..., :n], values)
 
 
-def split_carry(carry, n):
-    """A method's carry for the pair `(y, v)` of `TangentField` (each state-shaped
-    leaf holding both along its last axis) as the primal carry and its tangent; the
-    method's own scalars go to the primal with a zero tangent."""
-    leaves, tree = jax.tree_util.tree_flatten(carry)
-    primal = [x[..., :n] if _has_last_axis(x, 2 * n) else x for x in leaves]
-    tangent = [x[..., n:] if _has_last_axis(x, 2 * n) else jnp.zeros_like(x) for x in leaves]
-    return tree.unflatten(primal), tree.unflatten(tangent)
-
-
-def join_carry(primal, tangent, n):
-    """The inverse of `split_carry`: state-shaped leaves joined along their last
-    axis, scalars from the primal."""
-    pair = lambda a, b: jnp.concatenate([a, b], -1) if _has_last_axis(a, n) else a  # noqa: E731
-    return jax.tree_util.tree_map(pair, primal, tangent)
+def _joined(primal, tangent):
+    """Each carried value and its tangent side by side on the last axis."""
+    return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b], -1), primal, tangent)
 
 
 class AdjointField:

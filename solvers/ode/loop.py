@@ -39,6 +39,7 @@ __all__ = [
     "LoopConfig",
     "Taken",
     "attempt",
+    "carrier",
     "checkpoint_every",
     "select",
     "stepper",
@@ -98,6 +99,15 @@ def stepper(field, method: AbstractMethod):
     return step
 
 
+def carrier(field, method: AbstractMethod):
+    """The first carry of `method` on `field`: `carry0(y0, k0)`. A field may define its
+    own `initial_carry(method, y0, k0)` (the forward sensitivities' pair)."""
+    own = getattr(field, "initial_carry", None)
+    if own is not None:
+        return lambda y0, k0: own(method, y0, k0)
+    return method.initial_carry
+
+
 def while_any(cond, body, carry):
     """`lax.while_loop` whose predicate is not batched under `vmap`: the loop runs while
     any element's `cond` holds, and `body` leaves the finished elements unchanged.
@@ -142,6 +152,7 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
     y1, err, k1, ok, ks = step(y, k, t, h_step.astype(tdt), params, cfg.stage_tol)
     t1 = jnp.where(last, target, t + h_step)
     slope1 = method.slope(k1)
+    jac_work, lu_work = method.attempt_work(k1)
     finite = jnp.all(jnp.isfinite(y1)) & jnp.all(jnp.isfinite(slope1))
     if method.adaptive:
         ratio = jax.lax.stop_gradient(
@@ -187,6 +198,8 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
         acc=acc,
         rej=s.rej + (live & ~accept).astype(jnp.int32),
         failed=s.failed + (live & ~ok).astype(jnp.int32),
+        jacobians=s.jacobians + live.astype(jnp.int32) * jnp.asarray(jac_work, jnp.int32),
+        factorisations=s.factorisations + live.astype(jnp.int32) * jnp.asarray(lu_work, jnp.int32),
         tries=tries,
         status=status.astype(jnp.int32),
         g=g,
@@ -238,13 +251,15 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     return rec, accept & (acc > cfg.record)
 
 
-def initial_state(cfg: LoopConfig, f, y0, ts, params) -> tuple[StepState, RecordBuffers | None]:
+def initial_state(
+    cfg: LoopConfig, f, y0, ts, params, carry0=None
+) -> tuple[StepState, RecordBuffers | None]:
     """The state at `ts[0]` (with the first step size) and the empty record."""
     method = cfg.method
     tdt = ts.dtype
     t0 = ts[0]
     k0 = f(y0, t0, params)
-    carry0 = method.initial_carry(y0, k0)
+    carry0 = (carry0 or method.initial_carry)(y0, k0)
     if method.adaptive:
         h0 = controller.initial_step(
             method, f, y0, k0, t0, params, cfg.rtol, cfg.atol, cfg.err_size
@@ -266,6 +281,8 @@ def initial_state(cfg: LoopConfig, f, y0, ts, params) -> tuple[StepState, Record
         failed=zero,
         tries=zero,
         status=status0,
+        jacobians=zero,
+        factorisations=zero,
         g=g0,
     )
     rec = None

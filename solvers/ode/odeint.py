@@ -76,8 +76,10 @@ def odeint(
             Jacobian and one factorisation per step, no iteration), `"kvaerno5"`
             (adaptive ESDIRK for stiff problems; its stage equations are solved by
             Newton's method), `"radau5"` (Radau IIA of order 5, the three stages
-            solved together), or `"rk4"`/`"euler"` (fixed
-            step `dt`); see `solvers.ode.methods.METHODS` for every registered name.
+            solved together), `"bdf"` (variable-order NDF/BDF reusing one
+            factorisation over many steps: large stiff systems), or
+            `"rk4"`/`"euler"` (fixed step `dt`); see `solvers.ode.methods.METHODS`
+            for every registered name.
             Every method steps exactly onto each `t[i]` unless `interpolate=True`.
         dt: the step of `"rk4"` and `"euler"` (required for them); steps are
             shortened to land on each `t[i]`.
@@ -128,8 +130,7 @@ def odeint(
             Derivatives in `t` and `args` still differentiate `func`. Default:
             automatic differentiation.
         linear_solver: how an implicit method (`"rodas5p"`, `"rodas4"`, `"kvaerno5"`,
-            `"radau5"`)
-            solves with its stage matrix `I - h gamma J`: a solver from
+            `"radau5"`, `"bdf"`) solves with its stage matrix `I - h gamma J`: a solver from
             `implicitdiff.linear_solve` or its name: `Dense()` (LU on the matrix
             built from `n` Jacobian-vector products; the default), `Banded(lower,
             upper)` (a band built from `lower + upper + 1` products, for

@@ -64,9 +64,11 @@ def output_window(n_out: int, n: int) -> int:
     return max(1, min(n_out - 1, max(8, 32 // max(n, 1))))
 
 
-def integrate(f, y0, ts, params, cfg: LoopConfig, step=None) -> Integration:
+def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Integration:
     """Integrate `y' = f(y, t, params)` from `(ts[0], y0)` through every `ts[i]`,
-    taking each step with `step` (see `loop.stepper`; by default `cfg.method`'s own).
+    taking each step with `step` (see `loop.stepper`; by default `cfg.method`'s own)
+    from the carry `carry0(y0, f(y0, t0))` (see `loop.carrier`; by default the
+    method's `initial_carry`).
 
     With `cfg.dense`, `ts` is the span `[t0, t1]` and the output has a row for every
     accepted step.
@@ -79,7 +81,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None) -> Integration:
 
     tdt = jnp.finfo(y0.dtype).dtype
     ts = jax.lax.stop_gradient(jnp.asarray(ts, tdt))
-    state, rec = initial_state(cfg, f, y0, ts, params)
+    state, rec = initial_state(cfg, f, y0, ts, params, carry0)
     span = (ts[0], ts[-1])
 
     def attempt_to(target, s, rec):
@@ -102,8 +104,8 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None) -> Integration:
         steps=state.acc,
         rejected=state.rej,
         num_fevals=(first + method.evals_per_step * attempts).astype(jnp.int32),
-        num_jacobians=(method.jacobians_per_step * attempts).astype(jnp.int32),
-        num_factorisations=(method.factorisations_per_step * attempts).astype(jnp.int32),
+        num_jacobians=state.jacobians,
+        num_factorisations=state.factorisations,
         num_stage_failures=state.failed,
         t_final=state.t,
         status=state.status,

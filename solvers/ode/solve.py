@@ -26,7 +26,7 @@ from implicitdiff.internal import instantiate_zeros
 
 from .fields import TangentField
 from .info import SUCCESS, ODEInfo
-from .loop import LoopConfig, stepper
+from .loop import LoopConfig, carrier, stepper
 from .outputs import integrate
 
 __all__ = ["Config", "ODESolve", "times_cotangent", "dense_cotangents"]
@@ -82,7 +82,8 @@ class ODESolve(Primitive):
         steps (for the checkpointed adjoint)."""
         loop = dataclasses.replace(self.cfg.loop, record=record)
         step = stepper(self.f, loop.method)
-        out = integrate(self.field(), y0, ts, (pd, pn), loop, step=step)
+        carry0 = carrier(self.f, loop.method)
+        out = integrate(self.field(), y0, ts, (pd, pn), loop, step=step, carry0=carry0)
         ys, rec = out.ys, out.record
         if self.cfg.throw:
             # Checked on the record too: under `grad` only the record may be used (the

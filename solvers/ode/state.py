@@ -24,6 +24,8 @@ class StepState(eqx.Module):
         failed: attempts whose stage equations were not solved (an implicit method's
             Newton iteration diverged or ran out of iterations).
         tries: attempts since the last output time (for `mxstep`).
+        jacobians: Jacobians the attempts evaluated.
+        factorisations: stage-matrix factorisations the attempts made.
         status: the status code (`solvers.ode.info`).
         g: the sign of the event function at `(t, y)` (an event search), else `None`.
     """
@@ -37,6 +39,8 @@ class StepState(eqx.Module):
     failed: Int[Array, ...]
     tries: Int[Array, ...]
     status: Int[Array, ...]
+    jacobians: Int[Array, ...]
+    factorisations: Int[Array, ...]
     g: Array | None = None
 
 

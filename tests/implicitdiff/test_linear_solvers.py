@@ -139,3 +139,28 @@ def test_catalogue_covers_every_registered_solver():
     from .linear_problems import SOLVERS
 
     assert {type(s) for s in SOLVERS} == set(linear_solve.SOLVERS.values())
+
+
+@pytest.mark.parametrize(
+    "solver",
+    [linear_solve.Dense(), linear_solve.Banded(lower=1, upper=2), linear_solve.GMRES(rtol=1e-12)],
+    ids=["dense", "banded", "gmres"],
+)
+def test_factors_kept_apart_from_the_state_solve_alone(x64, solver):
+    """`factors(state)` is a pytree of arrays that solves on its own, the same as
+    `solve` (NumPy's solve of the matrix); a Krylov method keeps none."""
+    n = 7
+    a = 3.0 * np.eye(n) + np.diag(np.arange(1.0, n), -1) + np.diag(np.full(n - 1, 0.5), 1)
+    a += np.diag(np.full(n - 2, -0.25), 2)
+    b = np.linspace(-1.0, 2.0, n)
+    state = solver.init(lambda v: jnp.asarray(a) @ v, jnp.zeros(n))
+    factors = solver.factors(state)
+    if isinstance(solver, linear_solve.GMRES):
+        assert factors is None
+        with pytest.raises(NotImplementedError, match="keeps no factors"):
+            solver.solve_factors(factors, jnp.asarray(b))
+        return
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(factors))
+    kept = jax.jit(solver.solve_factors)(factors, jnp.asarray(b))
+    np.testing.assert_allclose(kept, np.linalg.solve(a, b), rtol=1e-12)
+    np.testing.assert_allclose(kept, solver.solve(state, jnp.asarray(b)), rtol=1e-14)

@@ -39,6 +39,7 @@ from ..interpolation import (
     pull_back_outputs,
 )
 from ..loop import LoopConfig, select, stepper
+from ..methods import combine_carry, partition_carry
 from ..outputs import output_window
 
 __all__ = ["CheckpointSweep", "batch_first", "batched_sweep", "shared_or_first"]
@@ -267,7 +268,14 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # and no stage gets a cotangent) and no cotangent for `f` at its end: it adds
         # nothing to `pd_bar`, and its own cotangents are restored by the caller.
         h = jnp.where(active, h, 0)
-        _, pullback = jax.vjp(lambda y, k1, pd: batch_step(y, k1, t, h, pd, pn), y, k1, pd)
+        # Only the carry's values are differentiated; its memory is replayed as it was.
+        values, memory = partition_carry(k1)
+
+        def step_values(y, values, pd):
+            y1, k_next, slope, ks = batch_step(y, combine_carry(values, memory), t, h, pd, pn)
+            return y1, partition_carry(k_next)[0], slope, ks
+
+        _, pullback = jax.vjp(step_values, y, values, pd)
         zeros = jnp.zeros_like(a)
         if loop.interpolate:
             basis_ct, ptr = output_cotangents(k, active, ptr)
@@ -359,14 +367,16 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # The last output reached (with dense output, the last step's row).
         last = jnp.minimum(n_out - 1, steps)
     zeros = jnp.zeros((size, n), g.dtype)
-    carry_zeros = jax.tree_util.tree_map(lambda b: jnp.zeros_like(b[:, 0]), k_cp)
+    carry_zeros = jax.tree_util.tree_map(
+        lambda b: jnp.zeros_like(b[:, 0]), partition_carry(k_cp)[0]
+    )
     init = (zeros, carry_zeros, jax.tree_util.tree_map(jnp.zeros_like, pd), last.astype(jnp.int32))
     a, k1_bar, pd_bar, _ = jax.lax.fori_loop(0, n_seg, segment, init)
     # The first step's carry, `initial_carry(y0, f(y0, t0))`.
     initial_carry = jax.vmap(method.initial_carry)
 
     def first_carry(y, pd):
-        return initial_carry(y, batch_field(y, rec_t[:, 0], pd, pn))
+        return partition_carry(initial_carry(y, batch_field(y, rec_t[:, 0], pd, pn)))[0]
 
     _, pullback = jax.vjp(first_carry, y_cp[:, 0], pd)
     da, dp = pullback(k1_bar)

@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._base import AbstractMethod, ButcherTableau, StageTolerance
+from ._base import (
+    AbstractMethod,
+    ButcherTableau,
+    Memory,
+    StageTolerance,
+    combine_carry,
+    partition_carry,
+)
 from ._esdirk import ESDIRK
 from ._rosenbrock import Rosenbrock, RosenbrockTableau
 from ._runge_kutta import ExplicitRungeKutta, TableauMethod
@@ -42,6 +49,9 @@ __all__ = [
     "AbstractMethod",
     "ButcherTableau",
     "StageTolerance",
+    "Memory",
+    "partition_carry",
+    "combine_carry",
     "TableauMethod",
     "ExplicitRungeKutta",
     "ESDIRK",

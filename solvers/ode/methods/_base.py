@@ -12,15 +12,20 @@ which the interpolant inside the step is built (`solvers.ode.interpolation`).
 
 `carry` is what a method hands from one accepted step to the next. For most methods
 it is `f` at `(t, y)` as the previous step computed it (first same as last, or the
-derivative an implicit method takes from its last stage equation). A multistep method
-carries its history, a method with a Newton iteration the last step's stages for its
-next starting guess. A carry is a pytree (`initial_carry` builds the first one); its
-leaves whose last axis has the state's length are part of the state (differentiated,
-and split in two for forward sensitivities); any other leaf is a scalar the method
-keeps for itself (an order, a step size), not differentiated. The stepping loop
-records carries for the checkpointed adjoint, so a replayed step repeats the solve's
-step exactly, and the adjoint differentiates through the carry: a method whose result
-depends on its history gets the derivative of that dependence too.
+derivative an implicit method takes from its last stage equation); a multistep method
+carries its history. A carry is a pytree (`initial_carry` builds the first one) of
+two kinds of parts:
+
+- values that depend on the solution: every such leaf has the state's length as its
+  last axis. They are differentiated, and for forward sensitivities the carry of the
+  pair `(y, v)` holds each of them and its tangent side by side on that axis;
+- `Memory` subtrees: the method's bookkeeping (its order, the step size of its
+  history, a factorisation it reuses, counters). Never differentiated, never split.
+
+The stepping loop records carries for the checkpointed adjoint, so a replayed step
+repeats the solve's step exactly (the same factorisation, the same iteration), and
+the adjoint differentiates through the values: a method whose result depends on its
+history gets the derivative of that dependence too.
 """
 
 from __future__ import annotations
@@ -29,11 +34,44 @@ import abc
 import dataclasses
 from typing import Any
 
+import equinox as eqx
 import jax
 
 from .. import controller
 
-__all__ = ["AbstractMethod", "ButcherTableau", "StageTolerance", "after", "jacobian_product"]
+__all__ = [
+    "AbstractMethod",
+    "ButcherTableau",
+    "Memory",
+    "StageTolerance",
+    "after",
+    "combine_carry",
+    "jacobian_product",
+    "partition_carry",
+]
+
+
+class Memory(eqx.Module):
+    """The base of a method's bookkeeping inside its carry (see the module): recorded
+    and replayed with the carry, never differentiated, never split for forward
+    sensitivities."""
+
+
+def _is_memory(x) -> bool:
+    return isinstance(x, Memory)
+
+
+def partition_carry(carry):
+    """`(values, memory)`: the carry's differentiable values and its `Memory`
+    subtrees, each with `None` where the other's parts are (`combine_carry` joins
+    them)."""
+    spec = jax.tree_util.tree_map(lambda x: not _is_memory(x), carry, is_leaf=_is_memory)
+    return eqx.partition(carry, spec, is_leaf=_is_memory)
+
+
+def combine_carry(values, memory):
+    """The carry from `partition_carry`'s two parts."""
+    return eqx.combine(values, memory, is_leaf=_is_memory)
 
 
 def jacobian_product(f, y, t, params):
@@ -194,6 +232,13 @@ class AbstractMethod(abc.ABC):
         """`f` at the carry's point, for the interpolant and the finiteness checks:
         by default the carry itself."""
         return carry
+
+    def attempt_work(self, carry1):
+        """`(jacobians, factorisations)` of the attempt that made `carry1`: by default
+        `jacobians_per_step` and `factorisations_per_step`. A method that reuses a
+        factorisation across steps counts what it did."""
+        del carry1
+        return self.jacobians_per_step, self.factorisations_per_step
 
     def next_size(self, h_step, ratio, good, accept, carry1):
         """The next step size after an attempt of size `h_step` with error `ratio`

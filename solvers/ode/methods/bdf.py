@@ -29,25 +29,30 @@ solution, with the step sizes and orders held fixed.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
-from ._base import AbstractMethod, StageTolerance, jacobian_product
+from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product
 from ._newton import simplified_newton
 
-__all__ = ["BDF", "BDFCarry", "MAX_ORDER", "NEWTON_ITERS"]
+__all__ = ["BDF", "BDFCarry", "BDFMemory", "MAX_ORDER", "NEWTON_ITERS"]
 
 #: The highest order.
 MAX_ORDER = 5
 #: The most Newton iterations of one corrector solve.
 NEWTON_ITERS = 4
+#: A factorisation of `I - c_old J` serves a step with another `c` while
+#: `|c / c_old - 1|` is at most this (CVODE's `dgmax`), for at most `REUSE_STEPS` steps.
+REUSE_CHANGE = 0.3
+REUSE_STEPS = 20
 _SHRINK_MIN, _GROW_MAX = 0.2, 10.0
 #: The NDF modifications of the BDF formulas of orders 1..5 (Shampine and Reichelt).
 _NDF_KAPPA = (0.0, -0.1850, -1 / 9, -0.0823, -0.0415, 0.0)
@@ -76,12 +81,10 @@ def _rescale_matrix(factor):
     return r(factor) @ r(jnp.ones_like(factor))
 
 
-class BDFCarry(eqx.Module):
-    """What `BDF` hands from one accepted step to the next.
+class BDFMemory(Memory):
+    """`BDF`'s bookkeeping (never differentiated).
 
     Attributes:
-        k: `f` at the step's end, as the corrector equation gives it.
-        D: the backward differences, `MAX_ORDER + 3` rows, for steps of size `h`.
         h: the step size the differences are for.
         order: the order of the next step.
         order_used: the order of the step that made this carry.
@@ -89,16 +92,39 @@ class BDFCarry(eqx.Module):
         grow: the step-size factor chosen after this step (1 while the order and
             step size stay).
         safety: the controller's safety factor, smaller after more Newton iterations.
+        factors: the factorisation of `I - c J` the next step may reuse (the linear
+            solver's `factors`), or `None` for a solver that keeps none.
+        c: the `c` of those factors (0: none yet).
+        age: steps since those factors were made.
+        work: factorisations (each with its Jacobian) the attempt that made this
+            carry computed: 0 when it reused the factors.
     """
 
-    k: Float[Array, ...]
-    D: Float[Array, ...]
     h: Float[Array, ...]
     order: Float[Array, ...]
     order_used: Float[Array, ...]
     n_equal: Float[Array, ...]
     grow: Float[Array, ...]
     safety: Float[Array, ...]
+    factors: Any
+    c: Float[Array, ...]
+    age: Int[Array, ...]
+    work: Int[Array, ...]
+
+
+class BDFCarry(eqx.Module):
+    """What `BDF` hands from one accepted step to the next.
+
+    Attributes:
+        k: `f` at the step's end, as the corrector equation gives it.
+        D: the backward differences, `MAX_ORDER + 3` rows, for steps of size
+            `memory.h`.
+        memory: the `BDFMemory`.
+    """
+
+    k: Float[Array, ...]
+    D: Float[Array, ...]
+    memory: BDFMemory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,18 +185,28 @@ class BDF(AbstractMethod):
         dt = y0.dtype
         d = jnp.zeros((MAX_ORDER + 3,) + y0.shape, dt).at[0].set(y0).at[1].set(k0)
         one = jnp.ones((), dt)
-        return BDFCarry(
-            k=k0, D=d, h=one, order=one, order_used=one, n_equal=0 * one, grow=one, safety=one
-        )
+        # Factors of the right shapes (of the identity), marked unusable by c = 0.
+        solver = self.linear_solver
+        factors = solver.factors(jax.lax.stop_gradient(solver.init(lambda v: v, y0)))
+        memory = BDFMemory(
+            h=one, order=one, order_used=one, n_equal=0 * one, grow=one, safety=one,
+            factors=factors, c=0 * one, age=jnp.zeros((), jnp.int32),
+            work=jnp.zeros((), jnp.int32),
+        )  # fmt: skip
+        return BDFCarry(k=k0, D=d, memory=memory)
 
     def slope(self, carry: BDFCarry):
         return carry.k
 
+    def attempt_work(self, carry1: BDFCarry):
+        return carry1.memory.work, carry1.memory.work
+
     def next_size(self, h_step, ratio, good, accept, carry1: BDFCarry):
-        exponent = -1.0 / (carry1.order_used + 1)
+        mem = carry1.memory
         safe = jnp.where(good, ratio, jnp.inf)
-        shrink = jnp.where(good, jnp.maximum(_SHRINK_MIN, carry1.safety * safe**exponent), 0.5)
-        return h_step * jnp.where(accept, carry1.grow, jnp.minimum(shrink, 1.0))
+        shrink = jnp.maximum(_SHRINK_MIN, mem.safety * safe ** (-1.0 / (mem.order_used + 1)))
+        shrink = jnp.where(good, shrink, 0.5)
+        return h_step * jnp.where(accept, mem.grow, jnp.minimum(shrink, 1.0))
 
     def step_with_stages(self, f, y, carry: BDFCarry, t, h, params, *, tol=None):
         tol = tol or StageTolerance()
@@ -178,13 +214,14 @@ class BDF(AbstractMethod):
         size = n if tol.size is None else tol.size
         gamma, alpha, error_const = (jnp.asarray(c, dt) for c in _coefficients(self.ndf))
         h = jnp.asarray(h, dt)
-        info = jax.lax.stop_gradient((carry.h, carry.order, carry.n_equal))
-        h_old, order, n_equal = info
+        mem = carry.memory
+        stat = jax.lax.stop_gradient
+        order, n_equal = mem.order, mem.n_equal
         q = order.astype(jnp.int32)
         rows = jnp.arange(MAX_ORDER + 3)
 
         # The differences rescaled to this step's size (orders above `q` untouched).
-        factor = jax.lax.stop_gradient(h / h_old)
+        factor = stat(h / mem.h)
         ru = _rescale_matrix(factor)
         idx = jnp.arange(MAX_ORDER + 1)
         inside = (idx[:, None] <= q) & (idx[None, :] <= q)
@@ -200,12 +237,23 @@ class BDF(AbstractMethod):
         c = h / alpha[q]
         t1 = t + h
 
-        # The iteration matrix at the prediction; it only steers the iteration (the
-        # corrector's derivative is implicit), so no gradient flows through it.
+        # The iteration matrix `I - c J`, `J` at the prediction. It only steers the
+        # iteration (the corrector's derivative is implicit), so no gradient flows
+        # through it. As in CVODE, the last factorisation, of `I - c_old J`, serves
+        # while `c` is within `REUSE_CHANGE` of `c_old` and for at most `REUSE_STEPS`
+        # steps, its corrections scaled by `2 / (1 + c / c_old)` (exact on the stiff
+        # and the non-stiff components on average); if the iteration then fails, a
+        # fresh factorisation is made and the iteration repeated.
         solver = self.linear_solver
-        y_c, p_c, c_c = jax.lax.stop_gradient((y_pred, params, c))
-        jvp = jacobian_product(f, y_c, t1, p_c)
-        lu = jax.lax.stop_gradient(solver.init(lambda v: v - c_c * jvp(v), y))
+        y_c, p_c, c_c = stat((y_pred, params, c))
+
+        def fresh_state(anchor=None):
+            # After `anchor` when given: under `vmap` both branches of a `cond` run,
+            # and two factorisations at once can deadlock on CPU (see `after`).
+            y_a, c_a = after((y_c, c_c), anchor)
+            jvp = jacobian_product(f, y_a, t1, p_c)
+            return stat(solver.init(lambda v: v - c_a * jvp(v), y))
+
         eps = float(jnp.finfo(dt).eps)
         kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
 
@@ -216,19 +264,57 @@ class BDF(AbstractMethod):
         def residual(z):
             return z - y_pred + psi - c * f(z, t1, params)
 
-        def solve(res, z0):
+        def newton(res, z0, solve_with):
             z, conv, _, iters = simplified_newton(
-                lambda z: solver.solve(lu, -res(z)),
+                lambda z: solve_with(-res(z)),
                 z0,
                 norm,
                 kappa=kappa,
                 max_iters=NEWTON_ITERS,
                 eta0=1.0,
             )
-            return z, (conv, iters)
+            return z, conv, iters
 
-        y1, (ok, iters) = custom_root(residual, y_pred, solve, solver, has_aux=True)
-        ok, iters = jax.lax.stop_gradient((ok, iters))
+        if mem.factors is None:
+            # A solver without factors to keep (a Krylov method): prepared every step.
+            state = fresh_state()
+
+            def solve(res, z0):
+                z, conv, iters = newton(res, z0, lambda b: solver.solve(state, b))
+                return z, (conv, iters, mem.factors, jnp.ones((), jnp.int32))
+
+        else:
+            ratio_c = c_c / jnp.where(mem.c != 0, mem.c, 1)
+            reuse = (mem.c != 0) & (jnp.abs(ratio_c - 1) <= REUSE_CHANGE) & (mem.age < REUSE_STEPS)
+            factors0 = jax.lax.cond(
+                reuse, lambda: mem.factors, lambda: solver.factors(fresh_state())
+            )
+            scale0 = jnp.where(reuse, 2 / (1 + ratio_c), 1)
+
+            def solve(res, z0):
+                def solve_with(factors, scale=1):
+                    return lambda b: scale * solver.solve_factors(factors, b)
+
+                z, conv, iters = newton(res, z0, solve_with(factors0, scale0))
+
+                def again():
+                    factors = solver.factors(fresh_state(anchor=(z, factors0)))
+                    z2, conv2, more = newton(res, z0, solve_with(factors))
+                    return z2, conv2, iters + more, factors, jnp.ones((), jnp.int32)
+
+                def keep():
+                    return z, conv, iters, factors0, (~reuse).astype(jnp.int32)
+
+                z, conv, iters, factors, work = jax.lax.cond(~conv & reuse, again, keep)
+                return z, (conv, iters, factors, work)
+
+        y1, aux = custom_root(residual, y_pred, solve, solver, has_aux=True)
+        ok, iters, factors, work = stat(aux)
+        if mem.factors is None:
+            c_lu, age = c_c, jnp.zeros((), jnp.int32)
+        else:
+            c_lu = jnp.where(work > 0, c_c, mem.c)
+            age = jnp.where(work > 0, 0, mem.age + 1)
         d = y1 - y_pred
         err = error_const[q] * d
         nonzero = c != 0
@@ -245,7 +331,6 @@ class BDF(AbstractMethod):
         # The next order and step size, once the order and size have held for q + 1
         # steps: from the errors orders q - 1, q and q + 1 would make.
         safety = 0.9 * (2 * NEWTON_ITERS + 1) / (2 * NEWTON_ITERS + iters.astype(dt))
-        stat = jax.lax.stop_gradient
         scale = tol.atol + tol.rtol * jnp.abs(stat(y1[:size]))
 
         def rms(e):
@@ -260,19 +345,21 @@ class BDF(AbstractMethod):
         )
         norms = jnp.stack([err_m, rms(err), err_p])
         powers = -1.0 / (order + jnp.arange(3, dtype=dt))
-        factors = jnp.where(norms == 0, inf, norms**powers)
+        factors_h = jnp.where(norms == 0, inf, norms**powers)
         due = n_equal >= order + 1
-        new_order = jnp.where(due, order + jnp.argmax(factors).astype(dt) - 1, order)
-        grow = jnp.where(due, jnp.minimum(_GROW_MAX, safety * jnp.max(factors)), 1.0)
+        new_order = jnp.where(due, order + jnp.argmax(factors_h).astype(dt) - 1, order)
+        grow = jnp.where(due, jnp.minimum(_GROW_MAX, safety * jnp.max(factors_h)), 1.0)
         one = jnp.ones((), dt)
-        carry1 = BDFCarry(
-            k=k_next,
-            D=D,
+        memory = BDFMemory(
             h=stat(h) * one,
-            order=stat(new_order),
+            order=new_order,
             order_used=order * one,
             n_equal=jnp.where(due, 0, n_equal) * one,
-            grow=stat(grow),
-            safety=stat(safety),
+            grow=grow,
+            safety=safety,
+            factors=factors,
+            c=c_lu * one,
+            age=age.astype(jnp.int32),
+            work=work,
         )
-        return y1, err, carry1, ok, [carry.k]
+        return y1, err, BDFCarry(k=k_next, D=D, memory=memory), ok, [carry.k]
