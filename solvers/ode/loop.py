@@ -82,10 +82,12 @@ def checkpoint_every(record: int) -> int:
 
 def stepper(field, method: AbstractMethod):
     """One step of `method` on `field` (called `field(y, t, *params)`):
-    `step(y, k1, t, h, params, tol) -> (y1, y_error, k1_next, ok, stages)`.
+    `step(y, carry, t, h, params, tol) -> (y1, y_error, carry1, ok, stages)`, with
+    `carry` the method's (see `solvers.ode.methods`).
 
-    A field may define its own `step(method, y, k1, t, h, params, tol)`: the forward
-    sensitivities' field steps as the derivative of the step it differentiates."""
+    A field may define its own `step(method, y, carry, t, h, params, tol)`: the
+    forward sensitivities' field steps as the derivative of the step it
+    differentiates."""
     own = getattr(field, "step", None)
     if own is not None:
         return lambda y, k1, t, h, params, tol: own(method, y, k1, t, h, params, tol)

@@ -174,6 +174,7 @@ print(max(float(jnp.max(jnp.abs(batched[i] - one(lam[i])))) for i in (0, 7, 15))
 """
 
 
+@pytest.mark.slow
 def test_vmap_batch_of_sixteen():
     """Under `vmap` both branches of the reuse decision run: the fresh factorisation
     of a retried iteration must wait for the first (two at once on a two-core CPU
