@@ -47,7 +47,7 @@ CASES = [
         marks=pytest.mark.slow,
     ),
     pytest.param("rober", "radau5", dict(jac=rober_jac), id="rober-radau5-jac"),
-    pytest.param("rober", "bdf", dict(jac=rober_jac), id="rober-bdf-jac"),
+    pytest.param("rober", "bdf", dict(jac=rober_jac), id="rober-bdf-jac", marks=pytest.mark.slow),
     pytest.param(
         "bruss16", "bdf", dict(linear_solver=BRUSS_BAND), id="bruss16-bdf-banded",
         marks=pytest.mark.slow,
@@ -144,7 +144,9 @@ def test_user_jacobian_pytree_state_and_every_mode(x64):
     )
 
 
-@pytest.mark.parametrize("method", ["rodas5p", "radau5", "bdf"])
+@pytest.mark.parametrize(
+    "method", ["rodas5p", "radau5", pytest.param("bdf", marks=pytest.mark.slow)]
+)
 def test_banded_stage_solves_on_a_line_of_points(x64, method):
     """The Brusselator stored point by point (`(points, 2)`, bandwidths 2): the banded
     solve takes the dense solve's steps and gives its solution and gradient (radau5
