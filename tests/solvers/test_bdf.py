@@ -17,7 +17,7 @@ from implicitdiff import linear_solve
 from solvers import odeint
 from solvers.ode.methods import BDF, bdf
 
-from .stiff_problems import PROBLEMS
+from .stiff_problems import PROBLEMS, batch_script
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -157,24 +157,6 @@ def test_factorisations_are_reused_and_counted(x64):
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-9)
 
 
-_BATCH = """
-import jax, jax.numpy as jnp
-jax.config.update("jax_enable_x64", True)
-from solvers import odeint
-
-def solve(lam):
-    a = jnp.diag(jnp.full(24, lam)) + 0.1 * jnp.eye(24, k=1) - 0.1 * jnp.eye(24, k=-1)
-    f = lambda y, t: a @ y + jnp.cos(t)
-    ts = jnp.array([0.0, 1.0])
-    return odeint(f, jnp.ones(24), ts, method="bdf", rtol=1e-8, atol=1e-8)[-1]
-
-lam = jnp.linspace(-1.0, -1e4, 16)
-batched = jax.jit(jax.vmap(solve))(lam)
-one = jax.jit(solve)
-print(max(float(jnp.max(jnp.abs(batched[i] - one(lam[i])))) for i in (0, 7, 15)))
-"""
-
-
 @pytest.mark.slow
 def test_vmap_batch_of_sixteen():
     """Under `vmap` both branches of the reuse decision run: the fresh factorisation
@@ -182,7 +164,7 @@ def test_vmap_batch_of_sixteen():
     wait for each other forever). In a subprocess, so that a hang fails the test.
     Each element matches its own solve."""
     out = subprocess.run(
-        [sys.executable, "-c", _BATCH], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", batch_script("bdf")], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-9

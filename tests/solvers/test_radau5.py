@@ -13,6 +13,8 @@ from implicitdiff import linear_solve
 from solvers import odeint
 from solvers.ode.methods import Radau5, StageTolerance, radau5
 
+from .stiff_problems import batch_script
+
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
@@ -88,24 +90,6 @@ def test_interpolant_is_the_collocation_polynomial(x64):
     np.testing.assert_allclose(ys[:, 0], _exact(ts), rtol=3e-6)
 
 
-_BATCH = """
-import jax, jax.numpy as jnp
-jax.config.update("jax_enable_x64", True)
-from solvers import odeint
-
-def solve(lam):
-    a = jnp.diag(jnp.full(24, lam)) + 0.1 * jnp.eye(24, k=1) - 0.1 * jnp.eye(24, k=-1)
-    f = lambda y, t: a @ y + jnp.cos(t)
-    ts = jnp.array([0.0, 1.0])
-    return odeint(f, jnp.ones(24), ts, method="radau5", rtol=1e-8, atol=1e-8)[-1]
-
-lam = jnp.linspace(-1.0, -1e4, 16)
-batched = jax.jit(jax.vmap(solve))(lam)
-one = jax.jit(solve)
-print(max(float(jnp.max(jnp.abs(batched[i] - one(lam[i])))) for i in (0, 7, 15)))
-"""
-
-
 def test_vmap_batch_of_sixteen():
     """A batch large enough for the LU factorisations to split over the CPU thread
     pool: the two factorisations of a step must run one after the other (with both
@@ -113,7 +97,7 @@ def test_vmap_batch_of_sixteen():
     subprocess, so that a hang fails the test instead of stalling the suite. Each
     element matches its own solve."""
     out = subprocess.run(
-        [sys.executable, "-c", _BATCH], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", batch_script("radau5")], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-9
