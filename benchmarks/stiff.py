@@ -3,7 +3,8 @@
 Problems (float64): ROBER to `t = 1e5`, HIRES, VDPOL with `eps = 1e-6`, OREGO and the
 Brusselator on a line of 64 points (128 states; `--full` adds 256 points); then large
 systems with banded Jacobians: the Brusselator line at 256 and 1024 points and 64 and
-1000 copies of ROBER (`--full` adds 4096 points, one copy and 10,000 copies). For each,
+1000 copies of ROBER (`--full` adds 4096 points, one copy and 10,000 copies), and the
+Brusselator on a 16 x 16 grid with a sparse one (`--full` adds 32 x 32). For each,
 the solution at the last time by
 
 - ours: `odeint(method=...)` with `"kvaerno5"`, `"radau5"`, `"bdf"` and
@@ -290,8 +291,13 @@ class Large:
     t1: float
     rtol: float
     atol: float
-    band: tuple[int, int]
+    band: tuple[int, int] | None
     copies: int = 0  # N copies of ROBER: the reference is one copy's, tiled
+    pattern: tuple | None = None  # (rows, cols) of the Jacobian, when not banded
+
+    @property
+    def structure(self) -> str:
+        return "banded" if self.pattern is None else "sparse"
 
 
 def _bruss_line(points: int) -> Large:
@@ -334,13 +340,56 @@ def _rober_copies(copies: int) -> Large:
     )  # fmt: skip
 
 
+def _bruss_2d(k: int) -> Large:
+    """The Brusselator on a periodic `k x k` grid (Hairer and Wanner's BRUSS-2D without
+    its forcing), each point's (u, v) stored together: a 5-point stencil, sparse with
+    no narrow band as stored."""
+
+    def f(y, t, p, xp):
+        z = xp.reshape(y, (k, k, 2))
+        u, v = z[..., 0], z[..., 1]
+
+        def lap(w):
+            rolls = xp.roll(w, 1, 0) + xp.roll(w, -1, 0) + xp.roll(w, 1, 1) + xp.roll(w, -1, 1)
+            return (rolls - 4 * w) * k**2
+
+        du = 1 + u * u * v - 4.4 * u + p[0] * lap(u)
+        dv = 3.4 * u - u * u * v + p[0] * lap(v)
+        return xp.reshape(xp.stack([du, dv], axis=-1), (-1,))
+
+    x = np.arange(k) / k
+    gx, gy = np.meshgrid(x, x, indexing="ij")
+    y0 = np.stack([22 * gy * (1 - gy) ** 1.5, 27 * gx * (1 - gx) ** 1.5], axis=-1).ravel()
+    idx = np.arange(k * k).reshape(k, k)
+    rows, cols = [], []
+    for di, dj in ((0, 0), (1, 0), (-1, 0), (0, 1), (0, -1)):
+        near = np.roll(np.roll(idx, di, 0), dj, 1).ravel()
+        for a in range(2):
+            for b in range(2) if (di, dj) == (0, 0) else (a,):
+                rows.append(2 * idx.ravel() + a)
+                cols.append(2 * near + b)
+    pattern = (np.concatenate(rows), np.concatenate(cols))
+    return Large(
+        f"BRUSS 2-D {k}x{k} ({2 * k * k})", f, y0, (0.1,), 11.5, 1e-6, 1e-6, None,
+        pattern=pattern,
+    )  # fmt: skip
+
+
 def large_problems(mode: str) -> list[Large]:
     if mode == "quick":
-        return [_bruss_line(256), _bruss_line(1024), _rober_copies(64), _rober_copies(1000)]
+        return [
+            _bruss_line(256),
+            _bruss_line(1024),
+            _bruss_2d(16),
+            _rober_copies(64),
+            _rober_copies(1000),
+        ]
     return [
         _bruss_line(256),
         _bruss_line(1024),
         _bruss_line(4096),
+        _bruss_2d(16),
+        _bruss_2d(32),
         _rober_copies(1),
         _rober_copies(64),
         _rober_copies(1000),
@@ -360,11 +409,16 @@ def _band_pattern(n: int, band: tuple[int, int]):
 def scipy_large(prob: Large, method: str, rtol: float, atol: float):
     p = np.asarray(prob.p)
     n = prob.y0.size
-    opts = (
-        dict(lband=prob.band[0], uband=prob.band[1])
-        if method == "LSODA"
-        else dict(jac_sparsity=_band_pattern(n, prob.band))
-    )
+    if prob.pattern is not None:  # LSODA has no sparse option: a dense Jacobian
+        import scipy.sparse
+
+        rows, cols = prob.pattern
+        sparsity = scipy.sparse.coo_matrix((np.ones(rows.size), (rows, cols)), shape=(n, n))
+        opts = {} if method == "LSODA" else dict(jac_sparsity=sparsity.tocsr())
+    elif method == "LSODA":
+        opts = dict(lband=prob.band[0], uband=prob.band[1])
+    else:
+        opts = dict(jac_sparsity=_band_pattern(n, prob.band))
 
     def solve(_p=None):
         sol = solve_ivp(
@@ -391,8 +445,11 @@ def ours_large(prob: Large, method: str):
 
     y0 = jnp.asarray(prob.y0)
     ts = jnp.array([0.0, prob.t1])
-    band = linear_solve.Banded(*prob.band, throw=False)
-    kw = dict(method=method, rtol=prob.rtol, atol=prob.atol, mxstep=10**6, linear_solver=band)
+    if prob.pattern is None:
+        solver = linear_solve.Banded(*prob.band, throw=False)
+    else:
+        solver = linear_solve.Sparse(prob.pattern, throw=False)
+    kw = dict(method=method, rtol=prob.rtol, atol=prob.atol, mxstep=10**6, linear_solver=solver)
 
     def field(y, t, p):
         return prob.f(y, t, p, jnp)
@@ -413,7 +470,7 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
     rows: dict[str, Row] = {}
     solves, losses = {}, {}
     for m in OURS:
-        name = f"ours ({m}, banded)"
+        name = f"ours ({m}, {prob.structure})"
         solves[name], losses[name] = ours_large(prob, m)
     if prob.y0.size <= 256:  # a dense LU per step: beyond this diffrax takes minutes
         flat = Problem(prob.name, prob.f, tuple(prob.y0), prob.p, prob.t1, prob.rtol, prob.atol)
@@ -428,9 +485,8 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
     for name, t in med.items():
         rows[name].forward = t
     for name, loss in losses.items():
-        if name not in {f"ours ({m}, banded)" for m in GRAD_LARGE} and not name.startswith(
-            "diffrax"
-        ):
+        graded = {f"ours ({m}, {prob.structure})" for m in GRAD_LARGE}
+        if name not in graded and not name.startswith("diffrax"):
             continue
         log(f"  {prob.name}: {name} grad")
         t0 = time.perf_counter()
@@ -440,8 +496,9 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
         rows[name].grad = interleaved(
             {name: compiled}, rounds=rounds, block=1, budget=30.0, args=(p,)
         )[name]
+    lsoda = "dense" if prob.pattern is not None else "banded"
     for method in SCIPY:
-        name = f"scipy {method} ({'banded' if method == 'LSODA' else 'jac_sparsity'})"
+        name = f"scipy {method} ({lsoda if method == 'LSODA' else 'jac_sparsity'})"
         log(f"  {prob.name}: {name}")
         solve = scipy_large(prob, method, prob.rtol, prob.atol)
         try:
@@ -515,12 +572,16 @@ def render(results, tols, mode: str, seconds: float, loads, large=()) -> str:
         )
     if large:
         lines += [
-            "### Large systems: banded stage solves",
+            "### Large systems: banded and sparse stage solves",
             "",
             "Ours with `linear_solver=linear_solve.Banded(2, 2)` (the band built from five "
-            "Jacobian-vector products); SciPy's BDF and Radau with `jac_sparsity` (sparse "
-            "finite-difference Jacobians, sparse LU), LSODA with its band options; diffrax "
-            "(dense LU) only where it finishes in seconds. N x ROBER: identical copies.",
+            "Jacobian-vector products) on the lines and ROBER copies, and "
+            "`linear_solve.Sparse(pattern)` on the 2-D grid (8 products by column "
+            "colouring, band LU after a reverse Cuthill-McKee reordering); SciPy's BDF and "
+            "Radau with `jac_sparsity` (sparse finite-difference Jacobians, sparse LU), "
+            "LSODA with its band options (a dense Jacobian on the 2-D grid, for which it "
+            "has no sparse option); diffrax (dense LU) only where it finishes in seconds. "
+            "N x ROBER: identical copies.",
             "",
         ]
     for prob, rows in large:

@@ -1,7 +1,7 @@
 """Linear solvers for the tangent and adjoint systems of implicit differentiation.
 
 Each method is a class, a subclass of `LinearSolver` whose fields are its options:
-`Dense`, `Banded`, `CG`, `NormalCG`, `GMRES`, `BiCGStab`, `Neumann` and `Auto`. A solver
+`Dense`, `Banded`, `Sparse`, `CG`, `NormalCG`, `GMRES`, `BiCGStab`, `Neumann` and `Auto`. A solver
 
 - prepares once and solves many times: `state = solver.init(matvec, b_like)` (for `Dense`,
   the LU factorisation), then `solver.solve(state, b)` and `solver.transpose_solve(state, b)`
@@ -38,6 +38,8 @@ Which solver to use:
 | Up to a few hundred unknowns                                     | `Dense` (LU, exact)           |
 | Banded (locally coupled: semi-discretised PDEs, chains)          | `Banded(lower, upper)` (band  |
 |                                                                  | LU from a few matvecs)        |
+| Sparse with a known pattern (reaction networks, 2-D grids,       | `Sparse(pattern)` (colouring, |
+| block-diagonal in any order); `sparsity_pattern` finds it        | reordering, band LU)          |
 | Unsure                                                           | `Auto` (dense / cg / gmres)   |
 | Large, symmetric positive definite (convex Hessians, J^T J + cI) | `CG`                          |
 | Large, non-symmetric                                             | `GMRES`, or `BiCGStab`        |
@@ -90,6 +92,7 @@ from ._iterative import IterativeOptions, IterativeSolver
 from ._krylov import CG, GMRES, BiCGStab, NormalCG, bicgstab, cg, gmres, normal_cg
 from ._neumann import NEUMANN_DEFAULT_MAXITER, Neumann, neumann
 from ._registry import SOLVERS, resolve
+from ._sparse import Sparse, SparsityPattern, sparsity_pattern
 
 __all__ = [
     "LinearSolver",
@@ -99,6 +102,9 @@ __all__ = [
     "DenseState",
     "Banded",
     "BandedState",
+    "Sparse",
+    "SparsityPattern",
+    "sparsity_pattern",
     "CG",
     "NormalCG",
     "GMRES",

@@ -110,10 +110,11 @@ class LinearSolver(abc.ABC):
         del state
         return None
 
-    def solve_factors(self, factors: PyTree, b: PyTree) -> PyTree:
-        """`A^{-1} b` from `factors(state)` alone. Not differentiable in the operator
-        (it is not there): for iterations whose derivatives are taken another way,
-        such as a Newton iteration under `custom_root`."""
+    def solve_factors(self, factors: PyTree, b: PyTree, *, transpose: bool = False) -> PyTree:
+        """`A^{-1} b` (`A^{-T} b` when `transpose`) from `factors(state)` alone. Not
+        differentiable in the operator (it is not there): for iterations whose
+        derivatives are taken another way, such as a Newton iteration under
+        `custom_root`, or a preconditioner."""
         raise NotImplementedError(f"{type(self).__name__} keeps no factors (`factors` is None)")
 
     def coupled(self, m: int) -> LinearSolver:

@@ -59,8 +59,8 @@ class Factored(LinearSolver):
     def factors(self, state: PyTree) -> PyTree:
         return tuple(state[1:])
 
-    def solve_factors(self, factors: PyTree, b: PyTree) -> PyTree:
-        return self._factor_solve(tuple(factors), 0, None, b)
+    def solve_factors(self, factors: PyTree, b: PyTree, *, transpose: bool = False) -> PyTree:
+        return self._factor_solve(tuple(factors), int(bool(transpose)), None, b)
 
     def _factor_solve(self, factors, trans: int, matvec: MatVec, b: PyTree) -> PyTree:
         """`_apply` on the pytree `b` (`matvec` is the operator being inverted; the

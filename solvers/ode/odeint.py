@@ -9,6 +9,7 @@ forward mode, the adjoint object's rules in reverse mode.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -135,9 +136,13 @@ def odeint(
             built from `n` Jacobian-vector products; the default), `Banded(lower,
             upper)` (a band built from `lower + upper + 1` products, for
             semi-discretised PDEs and other locally coupled systems of hundreds of
-            states and more), or `"gmres"`/`"bicgstab"` (matrix-free, for very large
-            systems). Build it with `throw=False`, as the default is: a singular
-            stage matrix then rejects the step instead of raising.
+            states and more), `Sparse(pattern)` (any sparsity pattern, e.g. from
+            `linear_solve.sparsity_pattern`: a few products by column colouring,
+            band LU after reordering), or `"gmres"`/`"bicgstab"` (matrix-free, for
+            very large systems). Build it with `throw=False`, as the default is: a
+            singular stage matrix then rejects the step instead of raising. The
+            default is dense at every size and warns above `DENSE_STAGE_MAX_STATES` (1000)
+            states, where a structured solver is much faster.
 
     Returns:
         The solution, a pytree like `y0` with a leading axis of length `len(t)`, or
@@ -205,6 +210,7 @@ def odeint(
                 f"{jnp.result_type(leaf)}; pass e.g. `jnp.asarray(y0, float)`"
             )
     y_flat, unravel = ravel_pytree(y0)
+    _warn_if_dense_is_large(m, linear_solver, y_flat.size)
     tdt = jnp.finfo(y_flat.dtype).dtype
     t = _check_times(t, tdt)
     if dense and t.shape[0] != 2:
@@ -293,6 +299,31 @@ def _check_jac(out: Any, y_flat: Any) -> None:
             f"odeint: `jac(y0, t[0], *args)` must return one floating-point array of "
             f"shape ({n}, {n}), the Jacobian of `func` on the flattened state, got {desc}"
         )
+
+
+#: Above this many states, an implicit method left on its dense stage solves warns.
+DENSE_STAGE_MAX_STATES = 1000
+
+
+def _warn_if_dense_is_large(method: AbstractMethod, linear_solver: Any, n: int) -> None:
+    """The default stage solve is dense: an `n x n` matrix from `n` products and an
+    `O(n^3)` factorisation per refresh. Past `DENSE_STAGE_MAX_STATES` that dominates
+    everything else, and a structured solver is what the user wants."""
+    if linear_solver is not None or n <= DENSE_STAGE_MAX_STATES:
+        return
+    solver = getattr(method, "linear_solver", None)
+    if type(solver).__name__ != "Dense":
+        return
+    warnings.warn(
+        f"odeint: method={method.name!r} with {n} states builds and factors a dense "
+        f"{n} x {n} stage matrix ({n} Jacobian-vector products and O(n^3) work per "
+        "factorisation). For a large system pass a structured solver: "
+        "linear_solver=linear_solve.Banded(lower, upper, throw=False) for a band, "
+        "linear_solve.Sparse(linear_solve.sparsity_pattern(lambda y: func(y, t0, *args), "
+        "y0), throw=False) for any sparse Jacobian, or 'gmres' (matrix-free); or pass "
+        "linear_solver=linear_solve.Dense(throw=False) to keep the dense solve silently.",
+        stacklevel=3,
+    )
 
 
 def _with_linear_solver(method: AbstractMethod, linear_solver: Any) -> AbstractMethod:

@@ -130,3 +130,31 @@ def test_singular_raises_unless_throw_false(x64):
 def test_invalid_bandwidths(bad):
     with pytest.raises(ValueError, match=r"`(lower|upper)` must be a Python int >= 0"):
         linear_solve.Banded(**bad)
+
+
+@pytest.mark.parametrize(
+    "n, lower, upper", [(70, 16, 3), (61, 2, 17), (40, 20, 20), (16, 16, 16), (5, 16, 0)]
+)
+def test_blocked_factorisation_of_wide_bands(x64, n, lower, upper):
+    """Wide bands are factored by blocks (`band_lu_blocks`); both layouts solve with
+    the matrix and its transpose to rounding, on matrices whose pivots swap rows, and
+    `n` not a multiple of the block size."""
+    from implicitdiff.linear_solve._banded import (
+        BLOCKED_MIN_BANDWIDTH,
+        band_lu_blocks,
+        band_lu_rows,
+        band_lu_solve,
+        band_matrix,
+    )
+
+    assert max(lower, upper) >= BLOCKED_MIN_BANDWIDTH
+    a = band(n, lower, upper, seed=n)
+    ab = band_matrix(lambda v: jnp.asarray(a) @ v, n, lower, upper, jnp.float64)
+    b = np.cos(np.arange(n))
+    for factors in (band_lu_blocks(ab, lower, upper), band_lu_rows(ab, lower, upper)):
+        for trans, m in ((0, a), (1, a.T)):
+            x = np.asarray(band_lu_solve(factors, jnp.asarray(b), lower, trans))
+            np.testing.assert_allclose(x, np.linalg.solve(m, b), rtol=1e-9, atol=1e-10)
+    assert band_lu_blocks(ab, lower, upper)[0].ndim == 3
+    x = linear_solve.Banded(lower, upper)(lambda v: jnp.asarray(a) @ v, jnp.asarray(b))
+    np.testing.assert_allclose(x, np.linalg.solve(a, b), rtol=1e-9, atol=1e-10)

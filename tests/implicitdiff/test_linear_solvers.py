@@ -143,8 +143,13 @@ def test_catalogue_covers_every_registered_solver():
 
 @pytest.mark.parametrize(
     "solver",
-    [linear_solve.Dense(), linear_solve.Banded(lower=1, upper=2), linear_solve.GMRES(rtol=1e-12)],
-    ids=["dense", "banded", "gmres"],
+    [
+        linear_solve.Dense(),
+        linear_solve.Banded(lower=1, upper=2),
+        linear_solve.Sparse(np.tri(7, 7, 2, dtype=bool) & ~np.tri(7, 7, -2, dtype=bool)),
+        linear_solve.GMRES(rtol=1e-12),
+    ],
+    ids=["dense", "banded", "sparse", "gmres"],
 )
 def test_factors_kept_apart_from_the_state_solve_alone(x64, solver):
     """`factors(state)` is a pytree of arrays that solves on its own, the same as
@@ -164,3 +169,5 @@ def test_factors_kept_apart_from_the_state_solve_alone(x64, solver):
     kept = jax.jit(solver.solve_factors)(factors, jnp.asarray(b))
     np.testing.assert_allclose(kept, np.linalg.solve(a, b), rtol=1e-12)
     np.testing.assert_allclose(kept, solver.solve(state, jnp.asarray(b)), rtol=1e-14)
+    kept_t = solver.solve_factors(factors, jnp.asarray(b), transpose=True)
+    np.testing.assert_allclose(kept_t, np.linalg.solve(a.T, b), rtol=1e-12)

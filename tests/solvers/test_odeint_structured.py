@@ -183,6 +183,64 @@ def test_banded_stage_solves_on_a_line_of_points(x64, method):
         jax.block_until_ready(run(1.0, linear_solve.Banded(lower=1, upper=1, throw=False)))
 
 
+@pytest.mark.parametrize(
+    "method", ["bdf", "radau5", pytest.param("rodas5p", marks=pytest.mark.slow)]
+)
+def test_sparse_stage_solves_on_copies_stored_field_by_field(x64, method):
+    """Six copies of ROBER stored field by field (`(3, 6)`: bandwidth 12 as stored).
+    `Sparse` with the pattern found by `sparsity_pattern` reorders it into blocks and
+    builds the matrix from 3 products; it takes the dense solve's steps and gives its
+    solution and gradient (radau5 solves its coupled stage systems with the pattern
+    widened)."""
+
+    def rober(y, t, k):
+        a, b, c = y[0], y[1], y[2]
+        return jnp.stack(
+            [-k[0] * a + k[2] * b * c, k[0] * a - k[2] * b * c - k[1] * b**2, k[1] * b**2]
+        )
+
+    copies = 6
+    y0 = jnp.zeros((3, copies)).at[0].set(1.0 + 0.1 * jnp.arange(copies))
+    ts = jnp.array([0.0, 1.0, 100.0])
+    k0 = jnp.array([0.04, 3e7, 1e4])
+    pattern = linear_solve.sparsity_pattern(lambda y: rober(y, 0.0, k0), y0)
+    sparse = linear_solve.Sparse(pattern, throw=False)
+    assert sparse.pattern.num_colours == 3 and sparse.pattern.lower <= 2
+
+    def run(k, solver):
+        return odeint(
+            rober, y0, ts, k, method=method, rtol=1e-7, atol=1e-10, linear_solver=solver,
+            return_info=True,
+        )  # fmt: skip
+
+    (ys, info_s), (yd, info_d) = run(k0, sparse), run(k0, None)
+    assert int(info_s.steps) == int(info_d.steps)
+    np.testing.assert_allclose(ys, yd, rtol=1e-10, atol=1e-14)
+    g = lambda solver: jax.grad(lambda k: jnp.sum(run(k, solver)[0][-1, 1]))(k0)  # noqa: E731
+    np.testing.assert_allclose(g(sparse), g(None), rtol=1e-8)
+
+
+def test_a_large_system_on_the_dense_default_warns():
+    """Past `DENSE_STAGE_MAX_STATES` states the dense default warns and names the
+    structured solvers; an explicit solver, or an explicit method, does not."""
+    import warnings
+
+    from solvers.ode.odeint import DENSE_STAGE_MAX_STATES
+
+    f = lambda y, t: -y  # noqa: E731
+    ts = jnp.array([0.0, 1.0])
+    big = jnp.ones(DENSE_STAGE_MAX_STATES + 1)
+    with pytest.warns(UserWarning, match=r"dense 1001 x 1001 stage matrix.*Sparse"):
+        jax.eval_shape(lambda y: odeint(f, y, ts, method="bdf"), big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.eval_shape(lambda y: odeint(f, y, ts, method="rodas5p"), big[:-1])
+        jax.eval_shape(
+            lambda y: odeint(f, y, ts, method="bdf", linear_solver=linear_solve.Dense()), big
+        )
+        jax.eval_shape(lambda y: odeint(f, y, ts, method="dopri5"), big)
+
+
 def test_bad_jac_and_linear_solver_arguments(x64):
     f = lambda y, t: -y  # noqa: E731
     y0, ts = jnp.ones(3), jnp.array([0.0, 1.0])

@@ -1,0 +1,402 @@
+"""`Sparse`: a matrix with a known sparsity pattern, built from a few matvecs (column
+colouring) and factored by band LU after a bandwidth-reducing reordering.
+
+`sparsity_pattern` finds the pattern of a function's Jacobian by evaluating it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import deque
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from .._errors import error_if
+from ..linear_system import custom_linear_solve
+from ._banded import band_apply, band_lu, band_lu_solve, band_mismatch
+from ._base import MatVec, PyTree, as_operator
+from ._checks import as_arrays, check_throw, prepare_b
+from ._factored import Factored
+
+__all__ = ["Sparse", "SparsityPattern", "sparsity_pattern"]
+
+
+class SparsityPattern:
+    """The positions of the entries of an `n x n` matrix that may be nonzero, with
+    what a solve needs from them, computed once in NumPy when it is built:
+
+    - `order`: a reverse Cuthill-McKee ordering of the unknowns (of the symmetrised
+      pattern), which brings the entries close to the diagonal; `lower` and `upper`
+      are the bandwidths of the reordered matrix;
+    - `colours`: a column colouring: columns of one colour never share a row, so one
+      matvec on the sum of their unit vectors gives all their entries. `num_colours`
+      matvecs build the matrix (a handful for a stencil, whatever `n`).
+
+    The diagonal is always part of the pattern. Two patterns are equal when they
+    have the same entries, so solvers built from equal patterns compare (and hash)
+    equal and share compiled code.
+
+    Arguments:
+        pattern: a boolean `(n, n)` array (True where an entry may be nonzero), or a
+            pair `(rows, cols)` of integer arrays of the entries' positions, with `n`
+            then given as `size` (default: one more than the largest index).
+        size: the number of unknowns, for the `(rows, cols)` form.
+    """
+
+    def __init__(self, pattern: Any, size: int | None = None):
+        if isinstance(pattern, SparsityPattern):
+            rows, cols, n = pattern.rows, pattern.cols, pattern.n
+        elif isinstance(pattern, tuple) and len(pattern) == 2:
+            rows = np.asarray(pattern[0]).ravel()
+            cols = np.asarray(pattern[1]).ravel()
+            if rows.shape != cols.shape or not (
+                np.issubdtype(rows.dtype, np.integer) or rows.size == 0
+            ):
+                raise ValueError(
+                    "linear_solve.Sparse: `pattern` given as (rows, cols) needs two "
+                    f"integer arrays of one length, got shapes {rows.shape} and {cols.shape}"
+                )
+            largest = max(rows.max(initial=-1), cols.max(initial=-1))
+            n = int(size) if size is not None else int(largest + 1)
+            if rows.size and (min(rows.min(), cols.min()) < 0 or max(rows.max(), cols.max()) >= n):
+                raise ValueError(
+                    f"linear_solve.Sparse: `pattern` has indices outside 0..{n - 1} (size={n})"
+                )
+        else:
+            mask = np.asarray(pattern)
+            if mask.ndim != 2 or mask.shape[0] != mask.shape[1]:
+                raise ValueError(
+                    "linear_solve.Sparse: `pattern` must be a square boolean array (True "
+                    "where the matrix may have a nonzero entry) or a pair (rows, cols) of "
+                    f"index arrays, got an array of shape {mask.shape}. To find it from a "
+                    "function, use linear_solve.sparsity_pattern(fn, x)."
+                )
+            rows, cols = np.nonzero(mask)
+            n = mask.shape[0]
+        diag = np.arange(n)
+        flat = np.unique(np.concatenate([rows * n + cols, diag * n + diag]).astype(np.int64))
+        self.n = n
+        self.rows = (flat // n).astype(np.int64)
+        self.cols = (flat % n).astype(np.int64)
+        self._digest = hashlib.sha1(np.int64(n).tobytes() + flat.tobytes()).hexdigest()
+        self.order = _reverse_cuthill_mckee(n, self.rows, self.cols)
+        self.position = np.empty(n, np.int64)
+        self.position[self.order] = np.arange(n)
+        offsets = self.position[self.cols] - self.position[self.rows]
+        self.lower = int(max(0, -offsets.min(initial=0)))
+        self.upper = int(max(0, offsets.max(initial=0)))
+        self.colours = _colour_columns(n, self.rows, self.cols)
+        self.num_colours = int(self.colours.max(initial=-1) + 1)
+        self._derived: dict[Any, SparsityPattern] = {}  # transposed, coupled(m)
+
+    @property
+    def nnz(self) -> int:
+        """The number of entries in the pattern (the diagonal included)."""
+        return int(self.rows.size)
+
+    def transposed(self) -> SparsityPattern:
+        """The pattern of the transposed matrix."""
+        if "T" not in self._derived:
+            self._derived["T"] = SparsityPattern((self.cols, self.rows), self.n)
+        return self._derived["T"]
+
+    def coupled(self, m: int) -> SparsityPattern:
+        """The pattern of `m` coupled copies of the unknowns, copy `s` of unknown `i`
+        numbered `m i + s`: an `m x m` block wherever the matrix has an entry."""
+        if m in self._derived:
+            return self._derived[m]
+        s = np.arange(m)
+        rows = (self.rows[:, None, None] * m + s[None, :, None]) + 0 * s[None, None, :]
+        cols = (self.cols[:, None, None] * m + s[None, None, :]) + 0 * s[None, :, None]
+        self._derived[m] = SparsityPattern((rows.ravel(), cols.ravel()), self.n * m)
+        return self._derived[m]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SparsityPattern) and self._digest == other._digest
+
+    def __hash__(self) -> int:
+        return hash(self._digest)
+
+    def __repr__(self) -> str:
+        return (
+            f"SparsityPattern(n={self.n}, nnz={self.nnz}, colours={self.num_colours}, "
+            f"lower={self.lower}, upper={self.upper})"
+        )
+
+
+def _neighbours(n: int, rows: np.ndarray, cols: np.ndarray) -> list[np.ndarray]:
+    """Adjacency lists of the symmetrised pattern, without the diagonal."""
+    off = rows != cols
+    a = np.concatenate([rows[off], cols[off]])
+    b = np.concatenate([cols[off], rows[off]])
+    key = np.unique(a * n + b)
+    a, b = key // n, key % n
+    starts = np.searchsorted(a, np.arange(n + 1))
+    return [b[starts[i] : starts[i + 1]] for i in range(n)]
+
+
+def _reverse_cuthill_mckee(n: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """A reverse Cuthill-McKee ordering: breadth-first from a peripheral unknown of each
+    connected part, neighbours by increasing degree, then reversed."""
+    adjacency = _neighbours(n, rows, cols)
+    degree = np.array([a.size for a in adjacency])
+
+    def levels(start: int, seen: np.ndarray) -> list[int]:
+        order, queue = [start], deque([start])
+        seen[start] = True
+        while queue:
+            node = queue.popleft()
+            fresh = [int(v) for v in adjacency[node] if not seen[v]]
+            fresh.sort(key=lambda v: degree[v])
+            for v in fresh:
+                seen[v] = True
+                queue.append(v)
+            order.extend(fresh)
+        return order
+
+    def peripheral(start: int, seen: np.ndarray) -> int:
+        # George and Liu: restart from a least-degree node of the last level while the
+        # eccentricity grows.
+        best_depth = -1
+        for _ in range(8):
+            depth = {start: 0}
+            queue = deque([start])
+            while queue:
+                node = queue.popleft()
+                for v in adjacency[node]:
+                    v = int(v)
+                    if v not in depth and not seen[v]:
+                        depth[v] = depth[node] + 1
+                        queue.append(v)
+            far = max(depth.values())
+            if far <= best_depth:
+                break
+            best_depth = far
+            last = [v for v, d in depth.items() if d == far]
+            start = min(last, key=lambda v: degree[v])
+        return start
+
+    seen = np.zeros(n, bool)
+    order: list[int] = []
+    for start in np.argsort(degree, kind="stable"):
+        if seen[start]:
+            continue
+        order.extend(levels(peripheral(int(start), seen), seen))
+    return np.asarray(order[::-1], np.int64)
+
+
+def _colour_columns(n: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """A greedy column colouring: columns that share a row get different colours."""
+    by_col = np.argsort(cols, kind="stable")
+    col_starts = np.searchsorted(cols[by_col], np.arange(n + 1))
+    rows_of = [rows[by_col[col_starts[j] : col_starts[j + 1]]].tolist() for j in range(n)]
+    by_row = np.argsort(rows, kind="stable")
+    row_starts = np.searchsorted(rows[by_row], np.arange(n + 1))
+    cols_of = [cols[by_row[row_starts[i] : row_starts[i + 1]]].tolist() for i in range(n)]
+    colours = [-1] * n
+    for j in range(n):
+        taken = {colours[k] for i in rows_of[j] for k in cols_of[i]}
+        c = 0
+        while c in taken:
+            c += 1
+        colours[j] = c
+    return np.asarray(colours, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse(Factored):
+    """Solve with a sparse matrix whose pattern of nonzero entries is known.
+
+    The pattern is analysed once, in NumPy, when the solver is built (see
+    `SparsityPattern`): a column colouring, and a reverse Cuthill-McKee reordering
+    that gathers the entries into a narrow band. `init` then builds the matrix from
+    one matvec per colour (a handful for a stencil or a reaction network, whatever the
+    size) and factors the reordered matrix by band LU with partial pivoting (as
+    `Banded`); `solve` and `transpose_solve` reuse the factors.
+
+    Cost for `n` unknowns and reordered bandwidths `l`, `u` (`solver.pattern.lower`,
+    `.upper`): `O(n (l + u)^2)` time to factor, `O(n (l + u))` per solve and memory.
+    That suits patterns that reorder into a narrow band: block-diagonal systems in any
+    storage order, PDEs on a line, and 2-D grids of moderate size (a `k x k` grid has
+    `l ~ u ~ 2k`). Build the solver once, outside `jax.jit`: the analysis is NumPy.
+
+    The unknowns are numbered as `jax.flatten_util.ravel_pytree` numbers them. A
+    pattern that misses an entry would silently drop it, so `init` checks the matrix
+    against one more matvec, on a fixed vector, and raises if they differ
+    (`check=False` skips this).
+
+    Arguments:
+        pattern: where the matrix may be nonzero: a boolean `(n, n)` array, a pair
+            `(rows, cols)` of index arrays, or a `SparsityPattern`. The diagonal is
+            always included. `sparsity_pattern(fn, x)` finds it for a Jacobian.
+        throw: if True (default), raise at run time when the solution is not finite (a
+            singular matrix). If False, return it as is.
+        check: if True (default), check the pattern at `init`.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        import numpy as np
+        from implicitdiff import linear_solve
+
+        def operator(v):  # unknown i coupled to unknown i + 3 only (period 3)
+            return 2 * v - jnp.roll(v, -3) * (jnp.arange(6) < 3)
+
+        pattern = linear_solve.sparsity_pattern(operator, jnp.zeros(6))
+        solver = linear_solve.Sparse(pattern)
+        x = solver(operator, jnp.ones(6))  # [0.75, 0.75, 0.75, 0.5, 0.5, 0.5]
+        print(solver.pattern)  # reordered: lower=0, upper=1
+        ```
+    """
+
+    name: ClassVar[str] = "sparse"
+    pattern: Any = None
+    throw: bool = True
+    check: bool = True
+    singular_message: ClassVar[str] = (
+        "implicitdiff.linear_solve.Sparse: the solution is not finite (NaN or inf), so "
+        "the matrix is singular (or b is not finite). To fix it: make the system "
+        "non-singular, check the inputs for NaN, or pass `throw=False` to skip this check."
+    )
+
+    def __post_init__(self):
+        if self.pattern is None:
+            raise ValueError(
+                "linear_solve.Sparse: `pattern` is required: a boolean (n, n) array of "
+                "the entries that may be nonzero, or (rows, cols). To find it from a "
+                "function, use linear_solve.sparsity_pattern(fn, x)."
+            )
+        if not isinstance(self.pattern, SparsityPattern):
+            object.__setattr__(self, "pattern", SparsityPattern(self.pattern))
+        check_throw(self.throw, self.name)
+
+    def coupled(self, m: int) -> Sparse:
+        """The pattern of `m` coupled copies (see `LinearSolver.coupled`): an `m x m`
+        block wherever the matrix has an entry."""
+        if m == 1:
+            return self
+        return dataclasses.replace(self, pattern=self.pattern.coupled(m))
+
+    def _flat(self, matvec: MatVec, b_like: PyTree):
+        flat, unravel = ravel_pytree(as_arrays(b_like))
+        if flat.size != self.pattern.n:
+            raise ValueError(
+                f"linear_solve.Sparse: `pattern` is for {self.pattern.n} unknowns but the "
+                f"system has {flat.size} (counted as jax.flatten_util.ravel_pytree flattens "
+                "it). To fix it: build the pattern for the flattened unknowns."
+            )
+        return flat, lambda v: ravel_pytree(matvec(unravel(v)))[0]
+
+    def _band(self, matvec: MatVec, b_like: PyTree) -> jax.Array:
+        """The reordered matrix in band storage (as `band_matrix` returns it)."""
+        flat, flat_matvec = self._flat(matvec, b_like)
+        p, n, dt = self.pattern, flat.size, flat.dtype
+        seeds = jnp.asarray(p.colours[None, :] == np.arange(p.num_colours)[:, None], dt)
+        compressed = jax.vmap(flat_matvec)(seeds)  # row c: the sum of the columns of colour c
+        values = compressed[p.colours[p.cols], p.rows]
+        i, j = p.position[p.rows], p.position[p.cols]
+        ab = jnp.zeros((n, p.lower + p.upper + 1), dt).at[i, j - i + p.lower].set(values)
+        if self.check and n > 0:
+            probe = jnp.cos(jnp.arange(n, dtype=dt) * 1.618 + 0.5)
+            exact = flat_matvec(probe)[p.order]
+            off = band_mismatch(ab, exact, band_apply(ab, probe[p.order], p.lower), probe)
+            ab = error_if(ab, off, _OUTSIDE_PATTERN)
+        return ab
+
+    def init(self, matvec: MatVec, b_like: PyTree):
+        from ._banded import BandedState
+
+        operator = as_operator(matvec, b_like)
+        ab = jax.lax.stop_gradient(self._band(operator, b_like))
+        return BandedState(operator, *band_lu(ab, self.pattern.lower, self.pattern.upper))
+
+    def __call__(self, matvec: MatVec, b: PyTree) -> PyTree:
+        b, size, _ = prepare_b(b, self.name)
+        if size == 0:
+            return b
+        mirrored = dataclasses.replace(self, pattern=self.pattern.transposed())
+        return custom_linear_solve(
+            matvec, b, self._solve_once, transpose_solve=mirrored._solve_once
+        )
+
+    def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
+        factors = band_lu(self._band(matvec, b), self.pattern.lower, self.pattern.upper)
+        return self._factor_solve(factors, 0, matvec, b)
+
+    def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
+        # The reordered matrix is P A P^T, and its transpose P A^T P^T: the same
+        # reordering serves both solves.
+        p = self.pattern
+        x = band_lu_solve(factors, b[p.order], p.lower, trans)
+        return x[p.position]
+
+
+def sparsity_pattern(
+    fn: Any, x: PyTree, *, probes: int = 2, seed: int = 0, chunk: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of the nonzero entries of the Jacobian of `fn` at points near `x`.
+
+    Evaluates the Jacobian, `chunk` columns at a time by forward mode, at `probes`
+    random points around `x` (normal perturbations scaled by `max(|x|, 1)`), and
+    returns the union of their nonzero entries. Call it once, outside `jax.jit`, and
+    build `Sparse` from the result. An entry that happens to vanish at every probe
+    (a branch of `jnp.where` never taken there) is missed; `Sparse` then raises when
+    it builds its matrix rather than dropping the entry.
+
+    Arguments:
+        fn: a function from pytrees shaped like `x` to pytrees of the same total size
+            (for an ODE, `lambda y: func(y, t0, *args)`).
+        x: a point (a pytree of arrays).
+        probes: the number of random points.
+        seed: the seed of the perturbations.
+        chunk: the number of columns evaluated together.
+
+    Returns:
+        `(rows, cols)`: integer NumPy arrays of the entries' positions in the flattened
+        (`jax.flatten_util.ravel_pytree`) numbering.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from implicitdiff import linear_solve
+
+        rows, cols = linear_solve.sparsity_pattern(lambda v: v * jnp.roll(v, 1), jnp.ones(4))
+        # (i, i) and (i, i - 1 mod 4): 8 entries
+        ```
+    """
+    flat, unravel = ravel_pytree(as_arrays(x))
+    n = flat.size
+
+    @jax.jit
+    def columns(point, seeds):
+        f = lambda v: ravel_pytree(fn(unravel(v)))[0]  # noqa: E731
+        return jax.vmap(lambda s: jax.jvp(f, (point,), (s,))[1])(seeds)
+
+    rng = np.random.default_rng(seed)
+    base = np.asarray(flat)
+    found = []
+    for _ in range(probes):
+        point = base + rng.normal(size=n) * np.maximum(np.abs(base), 1.0)
+        point = jnp.asarray(point, flat.dtype)
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            seeds = jnp.zeros((chunk, n), flat.dtype)
+            seeds = seeds.at[np.arange(stop - start), np.arange(start, stop)].set(1)
+            block = np.asarray(columns(point, seeds))[: stop - start]  # (cols, rows)
+            c, r = np.nonzero(block)
+            found.append(r * n + (c + start))
+    key = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+    return (key // n).astype(np.int64), (key % n).astype(np.int64)
+
+
+_OUTSIDE_PATTERN = (
+    "implicitdiff.linear_solve.Sparse: the operator has entries outside the given "
+    "sparsity pattern (its matvec on a test vector differs from the sparse matrix's). "
+    "To fix it: give the full pattern (linear_solve.sparsity_pattern(fn, x) finds a "
+    "Jacobian's; evaluate it at more points with probes= if an entry vanishes at some), "
+    "or use Dense or GMRES. Pass check=False to skip this check."
+)

@@ -1,0 +1,182 @@
+"""`linear_solve.Sparse` and `sparsity_pattern`: a known pattern, a column colouring, a
+bandwidth-reducing reordering, band LU.
+
+The solves and every derivative are checked against NumPy's closed forms with the same
+program as the other solvers (`test_linear_solvers._quantities`), on matrices whose
+entries are scattered (so the reordering is what makes the band narrow) and whose
+pivots need row interchanges. The pattern analysis is checked on its own: the
+colouring is valid, the reordering finds the band of a shuffled band matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from implicitdiff import linear_solve
+
+from .linear_problems import LinearProblem
+from .test_linear_solvers import _expected, _quantities
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def shuffled_band(n, lower, upper, seed):
+    """A band matrix with its unknowns renumbered at random, and the permutation."""
+    rng = np.random.default_rng(seed)
+    a = np.zeros((n, n))
+    for d in range(-lower, upper + 1):
+        a += np.diag(rng.uniform(0.5, 1.5, n - abs(d)) * rng.choice([-1, 1], n - abs(d)), d)
+    a += np.diag(0.1 * rng.uniform(size=n))  # small diagonal: pivoting swaps rows
+    perm = rng.permutation(n)
+    return a[np.ix_(perm, perm)], perm
+
+
+@pytest.mark.parametrize("n, lower, upper", [(12, 2, 1), (9, 0, 2), (1, 0, 0)])
+def test_against_closed_forms(x64, n, lower, upper):
+    a, _ = shuffled_band(n, lower, upper, seed=n + lower)
+    assert np.linalg.cond(a) < 1e5
+    rng = np.random.default_rng(1)
+    b, c = rng.normal(size=n), rng.normal(size=n)
+    e = rng.normal(size=(n, n)) * (a != 0)  # stays in the pattern
+    problem = LinearProblem("sparse", a, b, False)
+    solver = linear_solve.Sparse(a != 0)
+    got = jax.jit(functools.partial(_quantities, solver, problem))(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), jnp.asarray(e)
+    )
+    for name, value in _expected(a, b, c, e).items():
+        np.testing.assert_allclose(
+            np.asarray(got[name]).reshape(np.shape(value)), value, rtol=1e-9, atol=1e-11,
+            err_msg=name,
+        )  # fmt: skip
+
+
+def test_reordering_recovers_the_band():
+    """A shuffled tridiagonal matrix goes back to bandwidth 1; 100 copies of a 3 x 3
+    block stored field by field (unknown `i` of copy `k` at `100 i + k`, bandwidth
+    200 as stored) to bandwidth 2."""
+    a, _ = shuffled_band(50, 1, 1, seed=3)
+    p = linear_solve.SparsityPattern(a != 0)
+    assert (p.lower, p.upper) == (1, 1)
+    assert sorted(p.order) == list(range(50))
+
+    blocks = np.kron(np.ones((3, 3)), np.eye(100)) != 0
+    p = linear_solve.SparsityPattern(blocks)
+    assert max(p.lower, p.upper) <= 2
+    assert p.num_colours == 3
+
+
+def test_colouring_is_valid_and_small():
+    """No two columns of one colour share a row; the 5-point stencil on a periodic
+    32 x 32 grid needs a handful of colours, not 1024."""
+    k = 32
+    idx = np.arange(k * k).reshape(k, k)
+    rows, cols = [], []
+    for di, dj in [(0, 0), (1, 0), (-1, 0), (0, 1), (0, -1)]:
+        rows.append(idx.ravel())
+        cols.append(np.roll(np.roll(idx, di, 0), dj, 1).ravel())
+    p = linear_solve.SparsityPattern((np.concatenate(rows), np.concatenate(cols)))
+    assert p.num_colours <= 10
+    mask = np.zeros((k * k, k * k), bool)
+    mask[p.rows, p.cols] = True
+    for c in range(p.num_colours):
+        assert mask[:, p.colours == c].sum(axis=1).max() <= 1
+    assert p.lower <= 2 * k and p.upper <= 2 * k  # a reordered grid: about 2 k
+
+
+def test_pattern_forms_compare_equal():
+    mask = np.array([[0, 1, 0], [0, 0, 1], [1, 0, 0]], bool)
+    from_mask = linear_solve.Sparse(mask)
+    from_pairs = linear_solve.Sparse((np.array([0, 1, 2]), np.array([1, 2, 0])))
+    assert from_mask == from_pairs and hash(from_mask) == hash(from_pairs)
+    assert from_mask.pattern.nnz == 6  # the diagonal is added
+    assert from_mask != linear_solve.Sparse(mask.T)
+    assert from_mask.pattern.transposed() == linear_solve.SparsityPattern(mask.T)
+
+
+def test_coupled_copies(x64):
+    """`coupled(m)`: an `m x m` block wherever the matrix has an entry, copy `s` of
+    unknown `i` at `[i, s]`; solves such a system exactly."""
+    a, _ = shuffled_band(8, 1, 1, seed=4)
+    coupled = linear_solve.Sparse(a != 0).coupled(3)
+    mask = np.zeros((24, 24), bool)
+    mask[coupled.pattern.rows, coupled.pattern.cols] = True
+    np.testing.assert_array_equal(mask, np.kron((a != 0) | np.eye(8, dtype=bool), np.ones((3, 3))))
+    rng = np.random.default_rng(2)
+    blocks = rng.normal(size=(3, 3)) * 0.1
+    big = np.kron(a, np.eye(3)) + np.kron(np.eye(8), blocks)
+    b = rng.normal(size=(8, 3))
+    x = coupled(lambda v: (jnp.asarray(big) @ v.ravel()).reshape(8, 3), jnp.asarray(b))
+    np.testing.assert_allclose(np.asarray(x).ravel(), np.linalg.solve(big, b.ravel()), rtol=1e-10)
+
+
+def test_batched_and_pytree(x64):
+    a = np.stack([shuffled_band(7, 1, 2, seed=s)[0] for s in range(3)])
+    mask = np.any(a != 0, axis=0)
+    b = {"p": np.arange(3.0), "q": np.ones((2, 2))}
+    solver = linear_solve.Sparse(mask)
+    problem = LinearProblem("sparse", a[0], b, False)
+
+    def solve(a):
+        return solver(problem.operator(a, b), jax.tree_util.tree_map(jnp.asarray, b))
+
+    got = jax.vmap(solve)(jnp.asarray(a))
+    flat_b = np.concatenate([b["p"], b["q"].ravel()])
+    for k in range(3):
+        x = np.linalg.solve(a[k], flat_b)
+        np.testing.assert_allclose(got["p"][k], x[:3], rtol=1e-12)
+        np.testing.assert_allclose(got["q"][k].ravel(), x[3:], rtol=1e-12)
+
+
+def test_sparsity_pattern_of_a_function(x64):
+    """The Jacobian pattern of a periodic reaction-diffusion right-hand side on a
+    pytree state: each field at a point meets itself and its neighbours, and the
+    other field at the same point."""
+
+    def f(state):
+        u, v = state["u"], state["v"]
+        lap = lambda w: jnp.roll(w, 1) + jnp.roll(w, -1) - 2 * w  # noqa: E731
+        return {"u": u * u * v + lap(u), "v": jnp.sin(u) - v + lap(v)}
+
+    n = 10
+    x = {"u": jnp.ones(n), "v": jnp.zeros(n)}
+    rows, cols = linear_solve.sparsity_pattern(f, x, chunk=7)
+    got = np.zeros((2 * n, 2 * n), bool)
+    got[rows, cols] = True
+    ring = np.eye(n) + np.roll(np.eye(n), 1, 1) + np.roll(np.eye(n), -1, 1)
+    expected = np.block([[ring, np.eye(n)], [np.eye(n), ring]]) != 0
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_docstring_values(x64):
+    def operator(v):
+        return 2 * v - jnp.roll(v, -3) * (jnp.arange(6) < 3)
+
+    solver = linear_solve.Sparse(linear_solve.sparsity_pattern(operator, jnp.zeros(6)))
+    np.testing.assert_allclose(solver(operator, jnp.ones(6)), [0.75] * 3 + [0.5] * 3)
+    assert solver.pattern.lower + solver.pattern.upper == 1
+    rows, _ = linear_solve.sparsity_pattern(lambda v: v * jnp.roll(v, 1), jnp.ones(4))
+    assert rows.size == 8
+
+
+def test_missing_entries_raise(x64):
+    a = jnp.asarray(np.eye(6) + np.diag(np.ones(3), 3))
+    with pytest.raises((RuntimeError, ValueError), match=r"outside the given sparsity pattern"):
+        jax.block_until_ready(linear_solve.Sparse(np.eye(6))(lambda v: a @ v, jnp.ones(6)))
+    x = linear_solve.Sparse(np.asarray(a) != 0)(lambda v: a @ v, jnp.ones(6))
+    np.testing.assert_allclose(a @ x, np.ones(6), rtol=1e-13)
+
+
+def test_bad_patterns():
+    with pytest.raises(ValueError, match=r"`pattern` is required"):
+        linear_solve.Sparse()
+    with pytest.raises(ValueError, match=r"must be a square boolean array"):
+        linear_solve.Sparse(np.ones((2, 3), bool))
+    with pytest.raises(ValueError, match=r"indices outside"):
+        linear_solve.SparsityPattern((np.array([0, 5]), np.array([0, 1])), size=3)
+    with pytest.raises(ValueError, match=r"`pattern` is for 3 unknowns but the system has 4"):
+        linear_solve.Sparse(np.eye(3, dtype=bool))(lambda v: v, jnp.ones(4))
