@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from collections import deque
 from typing import Any, ClassVar
 
@@ -49,17 +50,20 @@ class SparsityPattern:
 
     def __init__(self, pattern: Any, size: int | None = None):
         if isinstance(pattern, SparsityPattern):
+            if size is not None and size != pattern.n:
+                raise ValueError(
+                    f"linear_solve.SparsityPattern: `size={size}` differs from the "
+                    f"pattern's {pattern.n} unknowns"
+                )
             rows, cols, n = pattern.rows, pattern.cols, pattern.n
-        elif isinstance(pattern, tuple) and len(pattern) == 2:
-            rows = np.asarray(pattern[0]).ravel()
-            cols = np.asarray(pattern[1]).ravel()
-            if rows.shape != cols.shape or not (
-                np.issubdtype(rows.dtype, np.integer) or rows.size == 0
-            ):
+        elif _is_index_pair(pattern):
+            rows, cols = (np.asarray(a) for a in pattern)
+            if rows.shape != cols.shape:
                 raise ValueError(
                     "linear_solve.Sparse: `pattern` given as (rows, cols) needs two "
-                    f"integer arrays of one length, got shapes {rows.shape} and {cols.shape}"
+                    f"index arrays of one length, got shapes {rows.shape} and {cols.shape}"
                 )
+            rows, cols = rows.astype(np.int64), cols.astype(np.int64)
             largest = max(rows.max(initial=-1), cols.max(initial=-1))
             n = int(size) if size is not None else int(largest + 1)
             if rows.size and (min(rows.min(), cols.min()) < 0 or max(rows.max(), cols.max()) >= n):
@@ -71,17 +75,20 @@ class SparsityPattern:
             if mask.ndim != 2 or mask.shape[0] != mask.shape[1]:
                 raise ValueError(
                     "linear_solve.Sparse: `pattern` must be a square boolean array (True "
-                    "where the matrix may have a nonzero entry) or a pair (rows, cols) of "
-                    f"index arrays, got an array of shape {mask.shape}. To find it from a "
-                    "function, use linear_solve.sparsity_pattern(fn, x)."
+                    "where the matrix may have a nonzero entry), a tuple (rows, cols) of "
+                    f"1-D integer arrays, or a SparsityPattern; got an array of shape "
+                    f"{mask.shape}. To find it from a function, use "
+                    "linear_solve.sparsity_pattern(fn, x)."
                 )
-            rows, cols = np.nonzero(mask)
+            rows, cols = (a.astype(np.int64) for a in np.nonzero(mask))
             n = mask.shape[0]
         diag = np.arange(n)
         flat = np.unique(np.concatenate([rows * n + cols, diag * n + diag]).astype(np.int64))
         self.n = n
         self.rows = (flat // n).astype(np.int64)
         self.cols = (flat % n).astype(np.int64)
+        self.rows.setflags(write=False)
+        self.cols.setflags(write=False)
         self._digest = hashlib.sha1(np.int64(n).tobytes() + flat.tobytes()).hexdigest()
         self.order = _reverse_cuthill_mckee(n, self.rows, self.cols)
         self.position = np.empty(n, np.int64)
@@ -126,6 +133,19 @@ class SparsityPattern:
             f"SparsityPattern(n={self.n}, nnz={self.nnz}, colours={self.num_colours}, "
             f"lower={self.lower}, upper={self.upper})"
         )
+
+
+def _is_index_pair(pattern: Any) -> bool:
+    """Whether `pattern` is `(rows, cols)`: a tuple of two 1-D integer arrays (not a
+    square mask written as a tuple of tuples)."""
+    if not (isinstance(pattern, tuple) and len(pattern) == 2):
+        return False
+    return all(
+        isinstance(a, np.ndarray | jax.Array)
+        and np.ndim(a) == 1
+        and np.issubdtype(np.asarray(a).dtype, np.integer)
+        for a in pattern
+    )
 
 
 def _neighbours(n: int, rows: np.ndarray, cols: np.ndarray) -> list[np.ndarray]:
@@ -225,9 +245,10 @@ class Sparse(Factored):
     `l ~ u ~ 2k`). Build the solver once, outside `jax.jit`: the analysis is NumPy.
 
     The unknowns are numbered as `jax.flatten_util.ravel_pytree` numbers them. A
-    pattern that misses an entry would silently drop it, so `init` checks the matrix
-    against one more matvec, on a fixed vector, and raises if they differ
-    (`check=False` skips this).
+    pattern that misses an entry would drop it (or add it to another entry of its
+    row), so `init` checks the matrix against one more matvec, on a fixed vector, row
+    by row, and raises if they differ by more than rounding (`check=False` skips
+    this).
 
     Arguments:
         pattern: where the matrix may be nonzero: a boolean `(n, n)` array, a pair
@@ -272,6 +293,15 @@ class Sparse(Factored):
             )
         if not isinstance(self.pattern, SparsityPattern):
             object.__setattr__(self, "pattern", SparsityPattern(self.pattern))
+        p = self.pattern
+        if p.n >= 200 and p.lower + p.upper + 1 > p.n // 2:
+            warnings.warn(
+                f"linear_solve.Sparse: the pattern ({p}) reorders into a band as wide as "
+                "half the matrix (dense rows or columns, or long-range coupling), so it "
+                "costs as much as a dense solve: use linear_solve.Dense for a few "
+                "thousand unknowns or fewer, or a Krylov solver (GMRES) beyond.",
+                stacklevel=3,
+            )
         check_throw(self.throw, self.name)
 
     def coupled(self, m: int) -> Sparse:
@@ -303,7 +333,8 @@ class Sparse(Factored):
         if self.check and n > 0:
             probe = jnp.cos(jnp.arange(n, dtype=dt) * 1.618 + 0.5)
             exact = flat_matvec(probe)[p.order]
-            off = band_mismatch(ab, exact, band_apply(ab, probe[p.order], p.lower), probe)
+            stored = band_apply(ab, probe[p.order], p.lower)
+            off = band_mismatch(ab, exact, stored, probe[p.order], p.lower)
             ab = error_if(ab, off, _OUTSIDE_PATTERN)
         return ab
 
@@ -337,35 +368,41 @@ class Sparse(Factored):
 
 def sparsity_pattern(
     fn: Any, x: PyTree, *, probes: int = 2, seed: int = 0, chunk: int = 256
-) -> tuple[np.ndarray, np.ndarray]:
-    """The positions of the nonzero entries of the Jacobian of `fn` at points near `x`.
+) -> SparsityPattern:
+    """The pattern of the nonzero entries of the Jacobian of `fn` at points near `x`.
 
     Evaluates the Jacobian, `chunk` columns at a time by forward mode, at `probes`
-    random points around `x` (normal perturbations scaled by `max(|x|, 1)`), and
-    returns the union of their nonzero entries. Call it once, outside `jax.jit`, and
-    build `Sparse` from the result. An entry that happens to vanish at every probe
-    (a branch of `jnp.where` never taken there) is missed; `Sparse` then raises when
-    it builds its matrix rather than dropping the entry.
+    random points near `x` and returns the union of their nonzero entries (with the
+    diagonal, as `SparsityPattern` always has it). Each component of a probe is
+    `x_i + 0.1 z |x_i| + 1e-3 z' max|x|` (`z`, `z'` standard normal): a relative change
+    of a few percent, which keeps small positive states positive, and a small
+    absolute one, which moves components that are exactly zero (at a zero state a
+    product such as `y_2 y_3` has a zero derivative). Entries that are not finite at a
+    probe (`fn` left its domain there) are left out, with a warning. Call it once,
+    outside `jax.jit`, and build `Sparse` from the result. An entry that vanishes at
+    every probe (a branch of `jnp.where` never taken there) is missed; `Sparse` then
+    raises when it builds its matrix, if the entry is larger than rounding.
 
     Arguments:
         fn: a function from pytrees shaped like `x` to pytrees of the same total size
-            (for an ODE, `lambda y: func(y, t0, *args)`).
+            `n` (for an ODE, `lambda y: func(y, t0, *args)`).
         x: a point (a pytree of arrays).
         probes: the number of random points.
         seed: the seed of the perturbations.
         chunk: the number of columns evaluated together.
 
     Returns:
-        `(rows, cols)`: integer NumPy arrays of the entries' positions in the flattened
-        (`jax.flatten_util.ravel_pytree`) numbering.
+        A `SparsityPattern` of `n` unknowns in the flattened
+        (`jax.flatten_util.ravel_pytree`) numbering; its `rows` and `cols` are the
+        entries' positions.
 
     Example:
         ```python
         import jax.numpy as jnp
         from implicitdiff import linear_solve
 
-        rows, cols = linear_solve.sparsity_pattern(lambda v: v * jnp.roll(v, 1), jnp.ones(4))
-        # (i, i) and (i, i - 1 mod 4): 8 entries
+        pattern = linear_solve.sparsity_pattern(lambda v: v * jnp.roll(v, 1), jnp.ones(4))
+        print(pattern.nnz)  # 8: (i, i) and (i, i - 1 mod 4)
         ```
     """
     flat, unravel = ravel_pytree(as_arrays(x))
@@ -376,21 +413,39 @@ def sparsity_pattern(
         f = lambda v: ravel_pytree(fn(unravel(v)))[0]  # noqa: E731
         return jax.vmap(lambda s: jax.jvp(f, (point,), (s,))[1])(seeds)
 
+    out = jax.eval_shape(lambda v: ravel_pytree(fn(unravel(v)))[0], flat)
+    if out.shape != (n,):
+        raise ValueError(
+            f"linear_solve.sparsity_pattern: `fn` must return {n} values in all (as many "
+            f"as `x` holds), got {out.shape[0]}: the pattern of a linear solver's "
+            "matrix is square"
+        )
     rng = np.random.default_rng(seed)
-    base = np.asarray(flat)
-    found = []
+    base = np.asarray(flat, np.float64)
+    spread = 1e-3 * max(float(np.abs(base).max(initial=0.0)), 1e-3)
+    found, nonfinite = [], 0
     for _ in range(probes):
-        point = base + rng.normal(size=n) * np.maximum(np.abs(base), 1.0)
-        point = jnp.asarray(point, flat.dtype)
+        z = rng.normal(size=(2, n))
+        point = jnp.asarray(base + 0.1 * z[0] * np.abs(base) + spread * z[1], flat.dtype)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             seeds = jnp.zeros((chunk, n), flat.dtype)
             seeds = seeds.at[np.arange(stop - start), np.arange(start, stop)].set(1)
             block = np.asarray(columns(point, seeds))[: stop - start]  # (cols, rows)
-            c, r = np.nonzero(block)
-            found.append(r * n + (c + start))
+            finite = np.isfinite(block)
+            nonfinite += int(block.size - finite.sum())
+            c, r = np.nonzero((block != 0) & finite)
+            found.append(r.astype(np.int64) * n + (c + start))
+    if nonfinite:
+        warnings.warn(
+            f"linear_solve.sparsity_pattern: {nonfinite} Jacobian entries were not finite "
+            "at the probe points (`fn` outside its domain there) and were left out of "
+            "the pattern. If an entry is missing, Sparse raises when it builds its "
+            "matrix; evaluate at another point `x` or seed.",
+            stacklevel=2,
+        )
     key = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
-    return (key // n).astype(np.int64), (key % n).astype(np.int64)
+    return SparsityPattern((key // n, key % n), n)
 
 
 _OUTSIDE_PATTERN = (

@@ -20,11 +20,11 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import error_if
 from implicitdiff.internal import closure_convert
-from implicitdiff.linear_solve import LinearSolver
+from implicitdiff.linear_solve import Banded, Dense, LinearSolver, Sparse
 from implicitdiff.linear_solve import resolve as resolve_linear_solver
 
 from .._checks import not_in_checked_shard_map, static_bool, static_int, status_returned
-from .adjoints import AbstractAdjoint, resolve_adjoint
+from .adjoints import AbstractAdjoint, BacksolveAdjoint, resolve_adjoint
 from .fields import FlatField
 from .loop import LoopConfig
 from .methods import METHODS, AbstractMethod, resolve_method
@@ -186,6 +186,17 @@ def odeint(
     if jac is not None and not callable(jac):
         raise TypeError(f"odeint: `jac` must be callable as jac(y, t, *args), got {jac!r}")
     adjoint = resolve_adjoint(name, adjoint, m, max_steps)
+    if isinstance(adjoint, BacksolveAdjoint) and isinstance(
+        getattr(m, "linear_solver", None), Banded | Sparse
+    ):
+        raise ValueError(
+            "odeint: adjoint='backsolve' integrates the state, its adjoint and the "
+            "parameters' adjoint together, a system that the "
+            f"{type(m.linear_solver).__name__} stage solver built for the state alone "
+            "does not fit. Use "
+            "adjoint='checkpoint' (the default of the implicit methods), which solves "
+            "with the same structured solver."
+        )
     if m.adaptive:
         if dt is not None:
             raise ValueError(
@@ -311,13 +322,12 @@ def _warn_if_dense_is_large(method: AbstractMethod, linear_solver: Any, n: int) 
     everything else, and a structured solver is what the user wants."""
     if linear_solver is not None or n <= DENSE_STAGE_MAX_STATES:
         return
-    solver = getattr(method, "linear_solver", None)
-    if type(solver).__name__ != "Dense":
+    if not isinstance(getattr(method, "linear_solver", None), Dense):
         return
     warnings.warn(
         f"odeint: method={method.name!r} with {n} states builds and factors a dense "
-        f"{n} x {n} stage matrix ({n} Jacobian-vector products and O(n^3) work per "
-        "factorisation). For a large system pass a structured solver: "
+        f"{n} x {n} stage matrix (O(n^3) work per factorisation). For a large system "
+        "pass a structured solver: "
         "linear_solver=linear_solve.Banded(lower, upper, throw=False) for a band, "
         "linear_solve.Sparse(linear_solve.sparsity_pattern(lambda y: func(y, t0, *args), "
         "y0), throw=False) for any sparse Jacobian, or 'gmres' (matrix-free); or pass "

@@ -158,3 +158,9 @@ def test_blocked_factorisation_of_wide_bands(x64, n, lower, upper):
     assert band_lu_blocks(ab, lower, upper)[0].ndim == 3
     x = linear_solve.Banded(lower, upper)(lambda v: jnp.asarray(a) @ v, jnp.asarray(b))
     np.testing.assert_allclose(x, np.linalg.solve(a, b), rtol=1e-9, atol=1e-10)
+
+
+def test_wide_band_on_no_unknowns(x64):
+    solver = linear_solve.Banded(16, 16)
+    state = solver.init(lambda v: v, jnp.zeros(0))
+    assert solver.solve(state, jnp.zeros(0)).shape == (0,)

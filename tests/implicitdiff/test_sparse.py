@@ -144,9 +144,10 @@ def test_sparsity_pattern_of_a_function(x64):
 
     n = 10
     x = {"u": jnp.ones(n), "v": jnp.zeros(n)}
-    rows, cols = linear_solve.sparsity_pattern(f, x, chunk=7)
+    pattern = linear_solve.sparsity_pattern(f, x, chunk=7)
+    assert pattern.n == 2 * n
     got = np.zeros((2 * n, 2 * n), bool)
-    got[rows, cols] = True
+    got[pattern.rows, pattern.cols] = True
     ring = np.eye(n) + np.roll(np.eye(n), 1, 1) + np.roll(np.eye(n), -1, 1)
     expected = np.block([[ring, np.eye(n)], [np.eye(n), ring]]) != 0
     np.testing.assert_array_equal(got, expected)
@@ -159,8 +160,65 @@ def test_docstring_values(x64):
     solver = linear_solve.Sparse(linear_solve.sparsity_pattern(operator, jnp.zeros(6)))
     np.testing.assert_allclose(solver(operator, jnp.ones(6)), [0.75] * 3 + [0.5] * 3)
     assert solver.pattern.lower + solver.pattern.upper == 1
-    rows, _ = linear_solve.sparsity_pattern(lambda v: v * jnp.roll(v, 1), jnp.ones(4))
-    assert rows.size == 8
+    assert linear_solve.sparsity_pattern(lambda v: v * jnp.roll(v, 1), jnp.ones(4)).nnz == 8
+
+
+def test_detection_keeps_zero_states_and_domains_and_the_size(x64):
+    """Probes move components that are exactly zero (ROBER at its initial state, where
+    `y_2 y_3` has zero derivatives), keep small positive states positive (`sqrt`
+    stays in its domain), and keep the last unknown when its row and column are
+    empty; entries not finite at a probe are left out with a warning."""
+
+    def rober(y):
+        return jnp.stack([-0.04 * y[0] + 1e4 * y[1] * y[2], 3e7 * y[1] ** 2, y[2] * 0.0])
+
+    p = linear_solve.sparsity_pattern(rober, jnp.array([1.0, 0.0, 0.0]))
+    got = np.zeros((3, 3), bool)
+    got[p.rows, p.cols] = True
+    np.testing.assert_array_equal(got, [[1, 1, 1], [0, 1, 0], [0, 0, 1]])
+
+    p = linear_solve.sparsity_pattern(lambda y: -jnp.sqrt(y) + jnp.roll(y, 1), jnp.full(6, 1e-3))
+    assert p.nnz == 12
+
+    p = linear_solve.sparsity_pattern(lambda y: y.at[-1].set(0.0) * 2.0, jnp.ones(5))
+    assert p.n == 5
+    with pytest.warns(UserWarning, match=r"not finite at the probe points"):
+        p = linear_solve.sparsity_pattern(lambda y: jnp.sqrt(y - 1.0), jnp.ones(3))
+    assert p.n == 3
+
+
+def test_index_forms_and_large_indices():
+    """`(rows, cols)` is a tuple of 1-D integer arrays (int32 ones too, beyond 46341
+    unknowns, where `rows * n` would overflow int32); a square mask written as a tuple
+    of tuples is a mask."""
+    n = 50_000
+    rows = np.array([n - 1, 0], np.int32)
+    cols = np.array([0, n - 1], np.int32)
+    p = linear_solve.SparsityPattern((rows, cols), n)
+    assert p.rows.min() >= 0 and p.nnz == n + 2
+    assert {(n - 1, 0), (0, n - 1)} <= set(zip(p.rows.tolist(), p.cols.tolist()))
+    mask = linear_solve.SparsityPattern(((1, 0), (1, 1)))
+    assert mask.n == 2 and mask.nnz == 3
+
+
+def test_a_nearly_full_band_warns():
+    rng = np.random.default_rng(0)
+    with pytest.warns(UserWarning, match=r"as wide as half the matrix"):
+        linear_solve.Sparse(rng.uniform(size=(300, 300)) < 0.05)
+
+
+def test_missing_entries_raise_in_float32():
+    """Row by row: one entry of size 1 outside the pattern of a 200-unknown
+    tridiagonal matrix shows in float32 as well."""
+    n = 200
+    a = 4 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1)
+    mask = a != 0
+    a[150, 3] = 1.0
+    op = lambda v: jnp.asarray(a, jnp.float32) @ v  # noqa: E731
+    with pytest.raises((RuntimeError, ValueError), match=r"outside the given sparsity pattern"):
+        jax.block_until_ready(linear_solve.Sparse(mask)(op, jnp.ones(n, jnp.float32)))
+    with pytest.raises((RuntimeError, ValueError), match=r"outside this band"):
+        jax.block_until_ready(linear_solve.Banded(1, 1)(op, jnp.ones(n, jnp.float32)))
 
 
 def test_missing_entries_raise(x64):

@@ -252,5 +252,8 @@ def test_bad_jac_and_linear_solver_arguments(x64):
         odeint(f, y0, ts, method="dopri5", linear_solver="gmres")
     with pytest.raises(TypeError, match=r"must be a linear_solve.LinearSolver"):
         odeint(f, y0, ts, method="rodas5p", linear_solver=lambda mv, b: b)
+    band = linear_solve.Banded(1, 1, throw=False)
+    with pytest.raises(ValueError, match=r"adjoint='backsolve' integrates the state"):
+        odeint(f, y0, ts, method="bdf", linear_solver=band, adjoint="backsolve")
     with pytest.raises(ValueError, match=r"odeint: `linear_solver` must be"):
         odeint(f, y0, ts, method="rodas5p", linear_solver="nope")
