@@ -3,6 +3,7 @@ partial pivoting)."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import ClassVar, NamedTuple
 
@@ -20,6 +21,7 @@ from ._checks import as_arrays, check_throw, prepare_b
 from ._factored import Factored
 
 __all__ = [
+    "BandLU",
     "Banded",
     "BandedState",
     "BLOCKED_MIN_BANDWIDTH",
@@ -81,26 +83,29 @@ def band_matrix(flat_matvec, n: int, lower: int, upper: int, dtype) -> jax.Array
     return jnp.where((j >= 0) & (j < n), ab, 0)
 
 
+def _band_windows(x: jax.Array, n: int, width: int, lower: int) -> jax.Array:
+    """`W[i, d] = x[i - lower + d]` (zero outside `x`): `A @ x` is `sum(ab * W, 1)`."""
+    padded = jnp.pad(x, (lower, width - lower - 1))
+    return jnp.stack([padded[d : d + n] for d in range(width)], axis=1)
+
+
 def band_apply(ab: jax.Array, x: jax.Array, lower: int) -> jax.Array:
     """`A @ x` for the band storage of `band_matrix`."""
-    n, width = ab.shape
-    padded = jnp.pad(x, (lower, width - lower - 1))
-    windows = jnp.stack([padded[d : d + n] for d in range(width)], axis=1)
-    return jnp.sum(ab * windows, axis=1)
+    return jnp.sum(ab * _band_windows(x, *ab.shape, lower), axis=1)
 
 
-def band_mismatch(
-    ab: jax.Array, exact: jax.Array, stored: jax.Array, probe: jax.Array, lower: int
-) -> jax.Array:
+def band_mismatch(ab: jax.Array, exact: jax.Array, probe: jax.Array, lower: int) -> jax.Array:
     """Whether the operator's matvec `exact` on `probe` differs from the stored
-    matrix's, `stored`, by more than rounding in some row: the matrix misses entries.
+    matrix's by more than rounding in some row: the matrix misses entries.
 
     Row `i` may differ by `1e3 eps (width (|A| |probe|)_i + |exact_i|)`, the rounding
     of either product; an entry outside the stored ones shows unless it is that small
     against its row (the probe's components are all of order one)."""
     width = ab.shape[1]
+    windows = _band_windows(probe, *ab.shape, lower)
+    stored = jnp.sum(ab * windows, axis=1)
+    magnitude = jnp.sum(jnp.abs(ab) * jnp.abs(windows), axis=1)
     eps = jnp.finfo(ab.dtype).eps
-    magnitude = band_apply(jnp.abs(ab), jnp.abs(probe), lower)
     slack = 1e3 * eps * (width * magnitude + jnp.abs(exact)) + jnp.finfo(ab.dtype).tiny
     return jnp.any(jnp.abs(exact - stored) > slack) & all_finite(exact)
 
@@ -329,8 +334,91 @@ def _block_solve(factors, b: jax.Array, trans: int) -> jax.Array:
     return jnp.concatenate([first, rest.reshape(-1)])[:n]
 
 
+class BandLU(Factored):
+    """What `Banded` and `Sparse` share: the matrix in band storage (in the solver's
+    own order of the unknowns), checked against one more matvec, factored by
+    `band_lu` and solved by `band_lu_solve`.
+
+    A subclass gives its bandwidths (`_widths`), builds the band from the flattened
+    matvec (`_storage`), and may reorder the unknowns (`_reorder`: `(order,
+    position)` with the band holding `A[order][:, order]`, `position` the inverse
+    permutation) and check their number (`_check_size`).
+    """
+
+    check: bool = True
+    layout_bound: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def _widths(self) -> tuple[int, int]:
+        """`(lower, upper)` of the stored band."""
+
+    @abc.abstractmethod
+    def _storage(self, flat_matvec, n: int, dtype) -> jax.Array:
+        """The band of the matrix of `flat_matvec`, `(n, lower + upper + 1)`."""
+
+    @abc.abstractmethod
+    def _mirrored(self) -> BandLU:
+        """The solver for the transposed operator."""
+
+    @abc.abstractmethod
+    def _outside_message(self) -> str:
+        """The error of an operator with entries outside the stored ones."""
+
+    def _reorder(self) -> tuple[np.ndarray, np.ndarray] | None:
+        return None
+
+    def _check_size(self, n: int) -> None:
+        del n
+
+    def _band(self, matvec: MatVec, b_like: PyTree) -> jax.Array:
+        flat, unravel = ravel_pytree(as_arrays(b_like))
+        n, dt = flat.size, flat.dtype
+        self._check_size(n)
+
+        def flat_matvec(v):
+            return ravel_pytree(matvec(unravel(v)))[0]
+
+        ab = self._storage(flat_matvec, n, dt)
+        if self.check and n > 0:
+            probe = jnp.cos(jnp.arange(n, dtype=dt) * 1.618 + 0.5)
+            exact = flat_matvec(probe)
+            reorder = self._reorder()
+            if reorder is not None:
+                probe, exact = probe[reorder[0]], exact[reorder[0]]
+            off = band_mismatch(ab, exact, probe, self._widths()[0])
+            ab = error_if(ab, off, self._outside_message())
+        return ab
+
+    def init(self, matvec: MatVec, b_like: PyTree) -> BandedState:
+        operator = as_operator(matvec, b_like)
+        ab = jax.lax.stop_gradient(self._band(operator, b_like))
+        return BandedState(operator, *band_lu(ab, *self._widths()))
+
+    def __call__(self, matvec: MatVec, b: PyTree) -> PyTree:
+        b, size, _ = prepare_b(b, self.name)
+        if size == 0:
+            return b
+        return custom_linear_solve(
+            matvec, b, self._solve_once, transpose_solve=self._mirrored()._solve_once
+        )
+
+    def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
+        factors = band_lu(self._band(matvec, b), *self._widths())
+        return self._factor_solve(factors, 0, matvec, b)
+
+    def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
+        # A reordered matrix is P A P^T, its transpose P A^T P^T: one reordering
+        # serves both solves.
+        lower = self._widths()[0]
+        reorder = self._reorder()
+        if reorder is None:
+            return band_lu_solve(factors, b, lower, trans)
+        order, position = reorder
+        return band_lu_solve(factors, b[order], lower, trans)[position]
+
+
 @dataclasses.dataclass(frozen=True)
-class Banded(Factored):
+class Banded(BandLU):
     """Solve with a banded matrix: `A[i, j] = 0` unless `-lower <= j - i <= upper`.
 
     `init` builds the band from `lower + upper + 1` matvecs (columns that never share
@@ -399,42 +487,18 @@ class Banded(Factored):
         `[-lower, upper]` spans `m (j - i) - (m - 1) .. m (j - i) + m - 1`."""
         return dataclasses.replace(self, lower=m * self.lower + m - 1, upper=m * self.upper + m - 1)
 
-    def _flat(self, matvec: MatVec, b_like: PyTree):
-        flat, unravel = ravel_pytree(as_arrays(b_like))
-        return flat, lambda v: ravel_pytree(matvec(unravel(v)))[0]
+    def _widths(self) -> tuple[int, int]:
+        return self.lower, self.upper
 
-    def _band(self, matvec: MatVec, b_like: PyTree) -> jax.Array:
-        flat, flat_matvec = self._flat(matvec, b_like)
-        n = flat.size
-        ab = band_matrix(flat_matvec, n, self.lower, self.upper, flat.dtype)
-        if self.check and n > 0:
-            probe = jnp.cos(jnp.arange(n, dtype=flat.dtype) * 1.618 + 0.5)
-            stored = band_apply(ab, probe, self.lower)
-            off = band_mismatch(ab, flat_matvec(probe), stored, probe, self.lower)
-            ab = error_if(ab, off, _OUTSIDE_BAND.format(lower=self.lower, upper=self.upper))
-        return ab
+    def _storage(self, flat_matvec, n: int, dtype) -> jax.Array:
+        return band_matrix(flat_matvec, n, self.lower, self.upper, dtype)
 
-    def init(self, matvec: MatVec, b_like: PyTree) -> BandedState:
-        operator = as_operator(matvec, b_like)
-        ab = jax.lax.stop_gradient(self._band(operator, b_like))
-        return BandedState(operator, *band_lu(ab, self.lower, self.upper))
-
-    def __call__(self, matvec: MatVec, b: PyTree) -> PyTree:
-        b, size, _ = prepare_b(b, self.name)
-        if size == 0:
-            return b
+    def _mirrored(self) -> Banded:
         # The transposed operator has the band mirrored.
-        mirrored = dataclasses.replace(self, lower=self.upper, upper=self.lower)
-        return custom_linear_solve(
-            matvec, b, self._solve_once, transpose_solve=mirrored._solve_once
-        )
+        return dataclasses.replace(self, lower=self.upper, upper=self.lower)
 
-    def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
-        factors = band_lu(self._band(matvec, b), self.lower, self.upper)
-        return self._factor_solve(factors, 0, matvec, b)
-
-    def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
-        return band_lu_solve(factors, b, self.lower, trans)
+    def _outside_message(self) -> str:
+        return _OUTSIDE_BAND.format(lower=self.lower, upper=self.upper)
 
 
 _OUTSIDE_BAND = (

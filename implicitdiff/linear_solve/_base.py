@@ -60,6 +60,10 @@ class LinearSolver(abc.ABC):
 
     #: The solver's name in `linear_solve.SOLVERS` and in its error messages.
     name: ClassVar[str] = "solver"
+    #: Whether the solver is built for one layout of the unknowns (a band, a sparsity
+    #: pattern), so that it fits only operators on those unknowns (and, through
+    #: `coupled`, on copies of them), not on a larger system made from them.
+    layout_bound: ClassVar[bool] = False
     #: Whether the operator is taken to be symmetric: the one-shot call then
     #: differentiates in reverse mode with `matvec` itself instead of its transpose.
     symmetric: bool = False

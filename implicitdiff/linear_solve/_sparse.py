@@ -16,12 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from .._errors import error_if
-from ..linear_system import custom_linear_solve
-from ._banded import band_apply, band_lu, band_lu_solve, band_mismatch
-from ._base import MatVec, PyTree, as_operator
-from ._checks import as_arrays, check_throw, prepare_b
-from ._factored import Factored
+from ._banded import BandLU
+from ._base import PyTree
+from ._checks import as_arrays, check_throw
 
 __all__ = ["Sparse", "SparsityPattern", "sparsity_pattern"]
 
@@ -117,8 +114,9 @@ class SparsityPattern:
         if m in self._derived:
             return self._derived[m]
         s = np.arange(m)
-        rows = (self.rows[:, None, None] * m + s[None, :, None]) + 0 * s[None, None, :]
-        cols = (self.cols[:, None, None] * m + s[None, None, :]) + 0 * s[None, :, None]
+        block = (self.nnz, m, m)  # entry e, copies (s, s'): (m r_e + s, m c_e + s')
+        rows = np.broadcast_to(self.rows[:, None, None] * m + s[None, :, None], block)
+        cols = np.broadcast_to(self.cols[:, None, None] * m + s[None, None, :], block)
         self._derived[m] = SparsityPattern((rows.ravel(), cols.ravel()), self.n * m)
         return self._derived[m]
 
@@ -228,7 +226,7 @@ def _colour_columns(n: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sparse(Factored):
+class Sparse(BandLU):
     """Solve with a sparse matrix whose pattern of nonzero entries is known.
 
     The pattern is analysed once, in NumPy, when the solver is built (see
@@ -311,59 +309,34 @@ class Sparse(Factored):
             return self
         return dataclasses.replace(self, pattern=self.pattern.coupled(m))
 
-    def _flat(self, matvec: MatVec, b_like: PyTree):
-        flat, unravel = ravel_pytree(as_arrays(b_like))
-        if flat.size != self.pattern.n:
+    def _widths(self) -> tuple[int, int]:
+        return self.pattern.lower, self.pattern.upper
+
+    def _reorder(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.pattern.order, self.pattern.position
+
+    def _check_size(self, n: int) -> None:
+        if n != self.pattern.n:
             raise ValueError(
                 f"linear_solve.Sparse: `pattern` is for {self.pattern.n} unknowns but the "
-                f"system has {flat.size} (counted as jax.flatten_util.ravel_pytree flattens "
+                f"system has {n} (counted as jax.flatten_util.ravel_pytree flattens "
                 "it). To fix it: build the pattern for the flattened unknowns."
             )
-        return flat, lambda v: ravel_pytree(matvec(unravel(v)))[0]
 
-    def _band(self, matvec: MatVec, b_like: PyTree) -> jax.Array:
-        """The reordered matrix in band storage (as `band_matrix` returns it)."""
-        flat, flat_matvec = self._flat(matvec, b_like)
-        p, n, dt = self.pattern, flat.size, flat.dtype
-        seeds = jnp.asarray(p.colours[None, :] == np.arange(p.num_colours)[:, None], dt)
+    def _storage(self, flat_matvec, n: int, dtype) -> jax.Array:
+        """The reordered matrix in band storage, from one matvec per colour."""
+        p = self.pattern
+        seeds = jnp.asarray(p.colours[None, :] == np.arange(p.num_colours)[:, None], dtype)
         compressed = jax.vmap(flat_matvec)(seeds)  # row c: the sum of the columns of colour c
         values = compressed[p.colours[p.cols], p.rows]
         i, j = p.position[p.rows], p.position[p.cols]
-        ab = jnp.zeros((n, p.lower + p.upper + 1), dt).at[i, j - i + p.lower].set(values)
-        if self.check and n > 0:
-            probe = jnp.cos(jnp.arange(n, dtype=dt) * 1.618 + 0.5)
-            exact = flat_matvec(probe)[p.order]
-            stored = band_apply(ab, probe[p.order], p.lower)
-            off = band_mismatch(ab, exact, stored, probe[p.order], p.lower)
-            ab = error_if(ab, off, _OUTSIDE_PATTERN)
-        return ab
+        return jnp.zeros((n, p.lower + p.upper + 1), dtype).at[i, j - i + p.lower].set(values)
 
-    def init(self, matvec: MatVec, b_like: PyTree):
-        from ._banded import BandedState
+    def _mirrored(self) -> Sparse:
+        return dataclasses.replace(self, pattern=self.pattern.transposed())
 
-        operator = as_operator(matvec, b_like)
-        ab = jax.lax.stop_gradient(self._band(operator, b_like))
-        return BandedState(operator, *band_lu(ab, self.pattern.lower, self.pattern.upper))
-
-    def __call__(self, matvec: MatVec, b: PyTree) -> PyTree:
-        b, size, _ = prepare_b(b, self.name)
-        if size == 0:
-            return b
-        mirrored = dataclasses.replace(self, pattern=self.pattern.transposed())
-        return custom_linear_solve(
-            matvec, b, self._solve_once, transpose_solve=mirrored._solve_once
-        )
-
-    def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
-        factors = band_lu(self._band(matvec, b), self.pattern.lower, self.pattern.upper)
-        return self._factor_solve(factors, 0, matvec, b)
-
-    def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
-        # The reordered matrix is P A P^T, and its transpose P A^T P^T: the same
-        # reordering serves both solves.
-        p = self.pattern
-        x = band_lu_solve(factors, b[p.order], p.lower, trans)
-        return x[p.position]
+    def _outside_message(self) -> str:
+        return _OUTSIDE_PATTERN
 
 
 def sparsity_pattern(

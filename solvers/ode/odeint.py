@@ -20,7 +20,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import error_if
 from implicitdiff.internal import closure_convert
-from implicitdiff.linear_solve import Banded, Dense, LinearSolver, Sparse
+from implicitdiff.linear_solve import Dense, LinearSolver
 from implicitdiff.linear_solve import resolve as resolve_linear_solver
 
 from .._checks import not_in_checked_shard_map, static_bool, static_int, status_returned
@@ -141,8 +141,8 @@ def odeint(
             band LU after reordering), or `"gmres"`/`"bicgstab"` (matrix-free, for
             very large systems). Build it with `throw=False`, as the default is: a
             singular stage matrix then rejects the step instead of raising. The
-            default is dense at every size and warns above `DENSE_STAGE_MAX_STATES` (1000)
-            states, where a structured solver is much faster.
+            default is dense at every size and warns above `DENSE_STAGE_MAX_STATES`
+            (1000) states, where a structured solver is much faster.
 
     Returns:
         The solution, a pytree like `y0` with a leading axis of length `len(t)`, or
@@ -186,16 +186,15 @@ def odeint(
     if jac is not None and not callable(jac):
         raise TypeError(f"odeint: `jac` must be callable as jac(y, t, *args), got {jac!r}")
     adjoint = resolve_adjoint(name, adjoint, m, max_steps)
-    if isinstance(adjoint, BacksolveAdjoint) and isinstance(
-        getattr(m, "linear_solver", None), Banded | Sparse
+    if isinstance(adjoint, BacksolveAdjoint) and getattr(
+        getattr(m, "linear_solver", None), "layout_bound", False
     ):
         raise ValueError(
             "odeint: adjoint='backsolve' integrates the state, its adjoint and the "
             "parameters' adjoint together, a system that the "
             f"{type(m.linear_solver).__name__} stage solver built for the state alone "
-            "does not fit. Use "
-            "adjoint='checkpoint' (the default of the implicit methods), which solves "
-            "with the same structured solver."
+            "does not fit. Use adjoint='checkpoint' (the default of the implicit "
+            "methods), which solves with the same structured solver."
         )
     if m.adaptive:
         if dt is not None:

@@ -65,12 +65,11 @@ def test_against_closed_forms(x64, n, lower, upper):
         )
 
 
-def test_batched_and_pytree(x64):
-    n, lower, upper = 7, 1, 2
-    a = np.stack([band(n, lower, upper, seed=s) for s in range(3)])
+def assert_batched_pytree_solves(solver, a):
+    """`solver` under `vmap` over the matrices `a` (a stack of three 7 x 7), on a
+    pytree right-hand side, against NumPy."""
     b = {"p": np.arange(3.0), "q": np.ones((2, 2))}
-    solver = linear_solve.Banded(lower=lower, upper=upper)
-    problem = LinearProblem("band", a[0], b, False)
+    problem = LinearProblem("structured", a[0], b, False)
 
     def solve(a):
         return solver(problem.operator(a, b), jax.tree_util.tree_map(jnp.asarray, b))
@@ -81,6 +80,11 @@ def test_batched_and_pytree(x64):
         x = np.linalg.solve(a[k], flat_b)
         np.testing.assert_allclose(got["p"][k], x[:3], rtol=1e-12)
         np.testing.assert_allclose(got["q"][k].ravel(), x[3:], rtol=1e-12)
+
+
+def test_batched_and_pytree(x64):
+    a = np.stack([band(7, 1, 2, seed=s) for s in range(3)])
+    assert_batched_pytree_solves(linear_solve.Banded(lower=1, upper=2), a)
 
 
 def test_large_band_matches_dense(x64):

@@ -20,6 +20,7 @@ import pytest
 from implicitdiff import linear_solve
 
 from .linear_problems import LinearProblem
+from .test_banded import assert_batched_pytree_solves
 from .test_linear_solvers import _expected, _quantities
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -116,20 +117,7 @@ def test_coupled_copies(x64):
 
 def test_batched_and_pytree(x64):
     a = np.stack([shuffled_band(7, 1, 2, seed=s)[0] for s in range(3)])
-    mask = np.any(a != 0, axis=0)
-    b = {"p": np.arange(3.0), "q": np.ones((2, 2))}
-    solver = linear_solve.Sparse(mask)
-    problem = LinearProblem("sparse", a[0], b, False)
-
-    def solve(a):
-        return solver(problem.operator(a, b), jax.tree_util.tree_map(jnp.asarray, b))
-
-    got = jax.vmap(solve)(jnp.asarray(a))
-    flat_b = np.concatenate([b["p"], b["q"].ravel()])
-    for k in range(3):
-        x = np.linalg.solve(a[k], flat_b)
-        np.testing.assert_allclose(got["p"][k], x[:3], rtol=1e-12)
-        np.testing.assert_allclose(got["q"][k].ravel(), x[3:], rtol=1e-12)
+    assert_batched_pytree_solves(linear_solve.Sparse(np.any(a != 0, axis=0)), a)
 
 
 def test_sparsity_pattern_of_a_function(x64):
