@@ -205,11 +205,15 @@ def _checked(static, gate, operands, leaves):
     failed = lax.cond(gate, fail, ok, operands)
     # The leaves never enter the branch (a sharded `x` would be gathered to the device
     # that runs the callback). The check's result (always False: the callback raises
-    # instead) selects the first leaf instead, so the check stays alive as long as the
-    # returned value is used; the select fuses with the leaf's producer.
-    first, *rest = leaves
-    fill = jnp.nan if jnp.issubdtype(first.dtype, jnp.inexact) else 0
-    return (jnp.where(failed, jnp.asarray(fill, first.dtype), first), *rest)
+    # instead) selects every leaf instead, so the check stays alive as long as any part
+    # of the returned value is used (a caller may keep one leaf and drop the rest); each
+    # select fuses with its leaf's producer.
+
+    def tied(leaf):
+        fill = jnp.nan if jnp.issubdtype(leaf.dtype, jnp.inexact) else 0
+        return jnp.where(failed, jnp.asarray(fill, leaf.dtype), leaf)
+
+    return tuple(tied(leaf) for leaf in leaves)
 
 
 @_checked.defjvp

@@ -41,6 +41,7 @@ __all__ = [
     "attempt",
     "carrier",
     "checkpoint_every",
+    "replayer",
     "select",
     "stepper",
     "while_any",
@@ -99,6 +100,24 @@ def stepper(field, method: AbstractMethod):
         return method.step_with_stages(f, y, k1, t, h, params, tol=tol)
 
     return step
+
+
+def replayer(field, method: AbstractMethod):
+    """`stepper` for the adjoint's pass over a recorded step whose end is known:
+    `replay(y, carry, t, h, params, tol, end)` with `end = (y1, known)` (see
+    `AbstractMethod.replay_step`). A field with its own `step` takes that one, which
+    recomputes the end."""
+    own = getattr(field, "step", None)
+    if own is not None:
+        return lambda y, k1, t, h, params, tol, end: own(method, y, k1, t, h, params, tol)
+
+    def f(y, t, params):
+        return field(y, t, *params)
+
+    def replay(y, k1, t, h, params, tol, end):
+        return method.replay_step(f, y, k1, t, h, params, end, tol=tol)
+
+    return replay
 
 
 def carrier(field, method: AbstractMethod):

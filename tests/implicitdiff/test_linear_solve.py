@@ -441,6 +441,16 @@ def test_error_if_under_jit():
     assert np.isfinite(f(jnp.array([3.0, 2.0])))  # usable again afterwards
 
 
+def test_error_if_survives_when_only_one_part_is_used():
+    # The check rides on every leaf: a caller that keeps one part of the checked value
+    # (the cotangent of one argument of a gradient, say) keeps the check.
+    for keep in (0, 1):
+        f = jax.jit(lambda x, keep=keep: error_if((x, 2 * x), x < 0, "negative input")[keep])
+        np.testing.assert_allclose(f(jnp.array(1.5)), 1.5 * (1 + keep))
+        with pytest.raises(CHECK_ERRORS, match="negative input"):
+            jax.block_until_ready(f(jnp.array(-1.0)))
+
+
 def test_error_if_under_vmap():
     f = jax.jit(jax.vmap(_guarded))
     np.testing.assert_allclose(f(jnp.ones((3, 2))), 2 * np.sin(1.0) ** 2 * np.ones(3))

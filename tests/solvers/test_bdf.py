@@ -168,3 +168,42 @@ def test_vmap_batch_of_sixteen():
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-9
+
+
+def test_replay_with_a_known_end_gives_the_step_and_its_derivative(x64):
+    """`replay_step` with the step's end known takes it as the corrector's solution:
+    the same step, and the same pull-back (the implicit derivative at that end) as the
+    step that iterates, to the corrector's tolerance; with the end not known it is the
+    step itself."""
+    prob = PROBLEMS["rober"]
+    f = lambda y, t, params: prob["f"](y, t, params[0], jnp)  # noqa: E731
+    p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
+    method = BDF()
+    carry = method.initial_carry(y0, f(y0, 0.0, (p,)))
+    for _ in range(3):  # a few steps, so the history has differences of its own
+        y0, _, carry, ok = method.step(f, y0, carry, 0.0, 1e-4, (p,))
+        assert ok
+    h = 2e-4
+    y1 = method.step(f, y0, carry, 0.0, h, (p,))[0]
+
+    def run(y, p, end):
+        if end is None:
+            out = method.step_with_stages(f, y, carry, 0.0, h, (p,))
+        else:
+            out = method.replay_step(f, y, carry, 0.0, h, (p,), end)
+        return out[0], out[2].k, out[2].D
+
+    plain, pullback = jax.vjp(lambda y, p: run(y, p, None), y0, p)
+    cts = jax.tree_util.tree_map(
+        lambda x: jnp.cos(jnp.arange(x.size) + 0.3).reshape(x.shape), plain
+    )
+    for known in (True, False):
+        end = (y1, jnp.array(known))
+        got, pullback_known = jax.vjp(lambda y, p, end=end: run(y, p, end), y0, p)
+        for a, b in zip(got, plain):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-14)
+        for a, b in zip(pullback_known(cts), pullback(cts)):
+            np.testing.assert_allclose(a, b, rtol=1e-7)
+    # The end is taken as given, not recomputed.
+    other = y1 + 1e-3
+    np.testing.assert_array_equal(run(y0, p, (other, jnp.array(True)))[0], other)

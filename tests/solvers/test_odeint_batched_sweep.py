@@ -14,6 +14,8 @@ import pytest
 
 from solvers import odeint
 
+from .stiff_problems import PROBLEMS
+
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 TS = np.linspace(0.0, 2.0, 9)
@@ -90,6 +92,31 @@ def test_elements_with_different_step_counts_and_several_segments(x64):
     # the step sizes move too, so compare at the solve's own tolerance.
     np.testing.assert_allclose(jax.grad(loss)(1.3), central(loss, 1.3), rtol=1e-6)
     np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["radau5", pytest.param("bdf", marks=pytest.mark.slow)])
+def test_stiff_elements_ending_in_different_segments(x64, method):
+    """ROBER with shared rate constants, one element ending within the first segment
+    while the other runs through many. The steps the short element has no more of are
+    linearised at one it did take: a zero step of radau5 here has a singular stage
+    matrix, which made the summed gradient NaN. Against the elements' own gradients."""
+    f = lambda y, t, p: PROBLEMS["rober"]["f"](y, t, p, jnp)  # noqa: E731
+    p = jnp.asarray(PROBLEMS["rober"]["p"])
+    y0 = jnp.asarray(PROBLEMS["rober"]["y0"])
+    kw = dict(method=method, rtol=1e-6, atol=1e-10, max_steps=400)
+
+    def one(p, t1):
+        return jnp.sum(odeint(f, y0, jnp.stack([0.0, t1]), p, **kw)[-1] ** 2)
+
+    t1s = jnp.array([1e-5, 1e5])
+    steps = [
+        int(odeint(f, y0, jnp.stack([0.0, t]), p, return_info=True, **kw)[1].steps) for t in t1s
+    ]
+    assert steps[0] < 20 < 4 * 20 < steps[1]  # checkpoints every 20 steps
+    batch = jax.jit(jax.grad(lambda p: jnp.sum(jax.vmap(one, (None, 0))(p, t1s))))(p)
+    each = sum(jax.jit(jax.grad(one))(p, t) for t in t1s)
+    assert np.all(np.isfinite(batch))
+    np.testing.assert_allclose(batch, each, rtol=1e-8)
 
 
 def test_batched_parameters_and_a_shared_initial_state(x64):

@@ -8,6 +8,15 @@ kept), then pulls the cotangent back through each step with one `jax.vjp` of the
 Outputs inside a step (`interpolate=True`) are linear in the step's stages, so their
 cotangents join that same pull-back.
 
+Only the pull-backs are sequential: the linearisations (`jax.vjp`'s forward half,
+where an implicit step evaluates its Jacobian and factors its stage matrix at the
+solution) depend only on the recomputed states. So `LINEARIZE_CHUNK` steps are
+linearised at once under `vmap`, their pull-backs kept as pytrees with a leading chunk
+axis, and then applied one at a time, last first. The replay knows each step's end
+(the next step's start, or the next checkpoint), and hands it to the method
+(`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
+iterating again.
+
 The sweep is written for a batch: every array has a leading batch axis, and the loops
 run to the batch's largest step count with the steps past an element's own count
 masked. One solve is a batch of one (`CheckpointSweep`); `vmap` of it is one batched
@@ -21,6 +30,7 @@ over the batch inside each matrix product and never held per element (for a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -38,7 +48,7 @@ from ..interpolation import (
     output_moments,
     pull_back_outputs,
 )
-from ..loop import LoopConfig, select, stepper
+from ..loop import LoopConfig, replayer, select, stepper
 from ..methods import combine_carry, partition_carry
 from ..outputs import output_window
 
@@ -161,6 +171,12 @@ class _BatchedSweep(_Sweep):
 # The most numbers (`n_out * n`) for which the sweep sums the outputs' cotangents per
 # step before it starts (`_sweep`), instead of a few rows at a time at each step.
 _GROUPED_MAX = 4096
+# Steps linearised together (one `vmap`) by the sweep, at most: their factorisations
+# and field evaluations run batched, the cheaper the more there are (a band LU of 512
+# unknowns costs about a seventh per matrix in a batch of 64 than alone), while the
+# linearisations of a chunk are held at once and the last chunk of a segment may run
+# past its steps.
+LINEARIZE_CHUNK = 8
 
 
 def _axes_like(tree: Any, axis: int | None) -> Any:
@@ -169,6 +185,29 @@ def _axes_like(tree: Any, axis: int | None) -> Any:
 
 def _unflatten_like(tree: Any, flat_axes: tuple) -> Any:
     return jax.tree_util.tree_structure(tree).unflatten(list(flat_axes))
+
+
+def _map_batch(fn, size: int, in_axes: tuple):
+    """`jax.vmap(fn, in_axes)` over a leading batch axis of `size` (each entry of
+    `in_axes` 0, None, or a pytree of them); for a batch of one, `fn` on its only
+    element. A step under `vmap` runs both branches of each `cond` it holds (a method's
+    choice between a kept and a fresh factorisation, say), so one solve's sweep does
+    not batch."""
+    if size != 1:
+        return jax.vmap(fn, in_axes)
+
+    def only(tree, axes):
+        if axes is None or isinstance(axes, int):
+            axes = _axes_like(tree, axes)
+        return jax.tree_util.tree_map(
+            lambda ax, x: x if ax is None else x[0], axes, tree, is_leaf=lambda ax: ax is None
+        )
+
+    def single(*args):
+        out = fn(*(only(a, ax) for a, ax in zip(args, in_axes, strict=True)))
+        return jax.tree_util.tree_map(lambda x: x[None], out)
+
+    return single
 
 
 def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
@@ -190,6 +229,8 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     window = output_window(n_out, n)
     pd_axes, pn_axes = p_axes
     step = stepper(f, method)
+    replay = replayer(f, method)
+    chunk = math.gcd(every, LINEARIZE_CHUNK)
 
     def one_step(y, k1, t, h, pd, pn):
         # One element's step from `y` with carry `k1`, with what its interpolant is
@@ -197,8 +238,14 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         y1, _, k_next, _, ks = step(y, k1, t, h, (pd, pn), loop.stage_tol)
         return y1, k_next, method.slope(k_next), ks
 
-    batch_step = jax.vmap(one_step, (0, 0, 0, 0, pd_axes, pn_axes))
-    batch_field = jax.vmap(f, (0, 0, pd_axes, pn_axes))
+    def one_replay(y, k1, t, h, pd, pn, y1, known):
+        # `one_step` with the step's end `y1` known where `known` (`replay_step`).
+        y1, _, k_next, _, ks = replay(y, k1, t, h, (pd, pn), loop.stage_tol, (y1, known))
+        return y1, k_next, method.slope(k_next), ks
+
+    batch_step = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes))
+    batch_replay = _map_batch(one_replay, size, (0, 0, 0, 0, pd_axes, pn_axes, 0, 0))
+    batch_field = _map_batch(f, size, (0, 0, pd_axes, pn_axes))
 
     def step_at(k):
         # Step `k`'s start time and size, per element (the same `k` for all of them).
@@ -259,24 +306,32 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         ptr, basis_ct = jax.lax.while_loop(due, gather, (ptr, basis))
         return basis_ct, ptr
 
-    def pull_back_step(k, y, k1, active, a, k1_bar, ptr):
-        """Step `k` pulled back: the cotangents of its start `y` and of `k1` from `a`
-        and `k1_bar` (those of its end and of `f` there) and the outputs inside the
-        step; the step's cotangent of `pd`; `ptr` moved past those outputs."""
-        t, h = step_at(k)
-        # A masked element takes a zero step (`y1 = y`, so `a` passes through unchanged
-        # and no stage gets a cotangent) and no cotangent for `f` at its end: it adds
-        # nothing to `pd_bar`, and its own cotangents are restored by the caller.
-        h = jnp.where(active, h, 0)
+    def linearize_step(k, y, k1, end):
+        """Step `k` (per element) from `y` with carry `k1`, its end `end = (y1, known)`
+        (see `replay_step`), linearised: its pull-back, a pytree of the
+        linearisation's values (see `jax.vjp`)."""
+        k = jnp.minimum(k, cap - 1)[:, None]
+        t, h = jnp.take_along_axis(rec_t, k, 1)[:, 0], jnp.take_along_axis(rec_h, k, 1)[:, 0]
+        y1, known = end
         # Only the carry's values are differentiated; its memory is replayed as it was.
         values, memory = partition_carry(k1)
 
         def step_values(y, values, pd):
-            y1, k_next, slope, ks = batch_step(y, combine_carry(values, memory), t, h, pd, pn)
-            return y1, partition_carry(k_next)[0], slope, ks
+            carry = combine_carry(values, memory)
+            y1_, k_next, slope, ks = batch_replay(y, carry, t, h, pd, pn, y1, known)
+            return y1_, partition_carry(k_next)[0], slope, ks
 
-        _, pullback = jax.vjp(step_values, y, values, pd)
+        return jax.vjp(step_values, y, values, pd)[1]
+
+    def pull_back_step(k, pullback, active, a, k1_bar, ptr):
+        """Step `k` pulled back through its linearisation `pullback`: the cotangents of
+        its start `y` and of `k1` from `a` and `k1_bar` (those of its end and of `f`
+        there) and the outputs inside the step; the step's cotangent of `pd`; `ptr`
+        moved past those outputs."""
         zeros = jnp.zeros_like(a)
+        # A masked element pulls back zeros (see `linearize_chunk`), so it adds nothing
+        # to `pd_bar`; its own cotangents are restored by the caller.
+        a = masked(active, a)
         if loop.interpolate:
             basis_ct, ptr = output_cotangents(k, active, ptr)
             # (The outputs' cotangents are zero for a masked element.)
@@ -339,12 +394,64 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         ys = select(kept, y_last, ys)
         k1s = select(kept, k_last, k1s)
 
-        def back(jj, c):
+        # Each step's end: the next step's start, and for the segment's last step the
+        # next checkpoint, unless the segment is the solve's last (`kept`): that step
+        # is recomputed.
+        after_last = y_cp[:, jnp.minimum(seg + 1, y_cp.shape[1] - 1)]
+        ends = jnp.concatenate([ys[:, 1:], after_last[:, None]], axis=1)
+
+        def linearize_chunk(j0):
+            # The pull-backs of steps `j0 .. j0 + chunk - 1`, linearised together: each
+            # leaf of the pull-back with the chunk's axis first. A masked element (a
+            # step past its count) is linearised at a step it did take, the last in
+            # this segment or else its very last (kept by the forward pass), and pulls
+            # back zeros: a step of size 0 may not have a finite linearisation (a
+            # singular stage matrix), and zero times a non-finite value is not zero.
+            tree = []
+            last = jnp.maximum(steps - 1, 0)
+
+            def one(j):
+                active = j < m
+                here = m >= 1  # the element took a step in this segment
+                row = jnp.where(active, j, jnp.maximum(m - 1, 0))
+                slot = last % every
+
+                def at(b, b_last):
+                    pick = lambda x, i: jnp.take_along_axis(  # noqa: E731
+                        x, i.reshape((size, 1) + (1,) * (x.ndim - 2)), axis=1
+                    )[:, 0]
+                    return select(here, pick(b, row), pick(b_last, slot))
+
+                y = at(ys, y_last)
+                k1 = jax.tree_util.tree_map(at, k1s, k_last)
+                y1 = at(ends, y_last)
+                known = here & ((row + 1 < m) | ~kept)
+                k = jnp.where(here, k0 + row, last)
+                leaves, treedef = jax.tree_util.tree_flatten(linearize_step(k, y, k1, (y1, known)))
+                tree.append(treedef)
+                return leaves
+
+            leaves = jax.vmap(one)(j0 + jnp.arange(chunk))
+            return tree[0], leaves
+
+        def back_chunk(i, c):
+            # Chunks last first, and inside a chunk its steps last first. The chunks
+            # start at multiples of `chunk` (which divides `every`), so the last one
+            # may reach past `m_max`: those steps are masked for every element.
+            j0 = (n_chunks - 1 - i) * chunk
+            treedef, leaves = linearize_chunk(j0)
+
+            def back(jj, c):
+                r = chunk - 1 - jj
+                pullback = treedef.unflatten([x[r] for x in leaves])
+                return back_step(j0 + r, pullback, c)
+
+            return jax.lax.fori_loop(0, chunk, back, c)
+
+        def back_step(j, pullback, c):
             a, k1_bar, pd_bar, ptr = c
-            j = m_max - 1 - jj
             active = j < m
-            k1 = jax.tree_util.tree_map(lambda b: b[:, j], k1s)
-            da, dk1, dp, ptr = pull_back_step(k0 + j, ys[:, j], k1, active, a, k1_bar, ptr)
+            da, dk1, dp, ptr = pull_back_step(k0 + j, pullback, active, a, k1_bar, ptr)
             a = jnp.where(active[:, None], da, a)
             k1_bar = select(active, dk1, k1_bar)
             # A shared leaf's cotangent is already summed over the batch (the masked
@@ -357,7 +464,8 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             )  # fmt: skip
             return a, k1_bar, pd_bar, ptr
 
-        return jax.lax.fori_loop(0, m_max, back, (a, k1_bar, pd_bar, ptr))
+        n_chunks = (m_max + chunk - 1) // chunk
+        return jax.lax.fori_loop(0, n_chunks, back_chunk, (a, k1_bar, pd_bar, ptr))
 
     n_seg = (max_over_batch(jnp.max(steps)) + every - 1) // every
     if loop.interpolate:

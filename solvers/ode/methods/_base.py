@@ -219,6 +219,15 @@ class AbstractMethod(abc.ABC):
     def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
         """One step from `(t, y)` of size `h`: `(y1, y_error, k1_next, ok, stages)`."""
 
+    def replay_step(self, f, y, carry, t, h, params, end, *, tol=None):
+        """`step_with_stages` again for the checkpointed adjoint, which knows the step's
+        end: `end = (y1, known)`, `y1` the end the solve computed wherever the bool
+        `known` holds. By default it is recomputed. A method whose stage equation has
+        `y1` itself as its solution (BDF's corrector) takes it instead of iterating
+        again: the derivative is the same implicit one, taken at `y1`."""
+        del end
+        return self.step_with_stages(f, y, carry, t, h, params, tol=tol)
+
     def step(self, f, y, carry, t, h, params, *, tol=None):
         """`step_with_stages` without the stages: `(y1, y_error, carry1, ok)`."""
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol)[:4]

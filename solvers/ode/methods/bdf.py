@@ -38,6 +38,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from implicitdiff import custom_root, linear_solve
+from implicitdiff.internal import any_over_batch
 from implicitdiff.linear_solve import LinearSolver
 
 from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product
@@ -64,6 +65,11 @@ def _coefficients(ndf: bool):
     alpha = (1 - kappa) * gamma
     error_const = kappa * gamma + 1.0 / np.arange(1, MAX_ORDER + 2)
     return gamma, alpha, error_const
+
+
+def _where(pred, a, b):
+    """`a` where the scalar `pred`, else `b`, leaf by leaf."""
+    return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def _rescale_matrix(factor):
@@ -208,7 +214,10 @@ class BDF(AbstractMethod):
         shrink = jnp.where(good, shrink, 0.5)
         return h_step * jnp.where(accept, mem.grow, jnp.minimum(shrink, 1.0))
 
-    def step_with_stages(self, f, y, carry: BDFCarry, t, h, params, *, tol=None):
+    def replay_step(self, f, y, carry: BDFCarry, t, h, params, end, *, tol=None):
+        return self.step_with_stages(f, y, carry, t, h, params, tol=tol, end=end)
+
+    def step_with_stages(self, f, y, carry: BDFCarry, t, h, params, *, tol=None, end=None):
         tol = tol or StageTolerance()
         n, dt = y.shape[0], y.dtype
         size = n if tol.size is None else tol.size
@@ -275,38 +284,62 @@ class BDF(AbstractMethod):
             )
             return z, conv, iters
 
-        if mem.factors is None:
-            # A solver without factors to keep (a Krylov method): prepared every step.
-            state = fresh_state()
-
-            def solve(res, z0):
+        def iterate(res, z0):
+            """The corrector by simplified Newton: `(y1, (converged, iterations,
+            factors to keep, factorisations made))`."""
+            if mem.factors is None:
+                # A solver without factors to keep (a Krylov method): prepared every step.
+                state = fresh_state()
                 z, conv, iters = newton(res, z0, lambda b: solver.solve(state, b))
-                return z, (conv, iters, mem.factors, jnp.ones((), jnp.int32))
+                return z, (conv, iters.astype(jnp.int32), mem.factors, jnp.ones((), jnp.int32))
 
-        else:
             ratio_c = c_c / jnp.where(mem.c != 0, mem.c, 1)
             reuse = (mem.c != 0) & (jnp.abs(ratio_c - 1) <= REUSE_CHANGE) & (mem.age < REUSE_STEPS)
+            # Under `vmap` a `cond` on a batched predicate runs both branches: the
+            # factorisation runs once for the batch, only when some element needs it.
             factors0 = jax.lax.cond(
-                reuse, lambda: mem.factors, lambda: solver.factors(fresh_state())
+                any_over_batch(~reuse),
+                lambda: _where(reuse, mem.factors, solver.factors(fresh_state())),
+                lambda: mem.factors,
             )
             scale0 = jnp.where(reuse, 2 / (1 + ratio_c), 1)
 
+            def solve_with(factors, scale=1):
+                return lambda b: scale * solver.solve_factors(factors, b)
+
+            z, conv, iters = newton(res, z0, solve_with(factors0, scale0))
+
+            def again():
+                factors = solver.factors(fresh_state(anchor=(z, factors0)))
+                z2, conv2, more = newton(res, z0, solve_with(factors))
+                return z2, conv2, iters + more, factors, jnp.ones((), jnp.int32)
+
+            def keep():
+                return z, conv, iters, factors0, (~reuse).astype(jnp.int32)
+
+            retry = ~conv & reuse
+            z, conv, iters, factors, work = jax.lax.cond(
+                any_over_batch(retry), lambda: _where(retry, again(), keep()), keep
+            )
+            return z, (conv, iters.astype(jnp.int32), factors, work)
+
+        if end is None:
+            solve = iterate
+        else:
+            # A replay whose end is known (see `replay_step`): the corrector's solution
+            # is that end, and only a step whose end is not known iterates.
+            y1_end, known = end
+
             def solve(res, z0):
-                def solve_with(factors, scale=1):
-                    return lambda b: scale * solver.solve_factors(factors, b)
+                zero = jnp.zeros((), jnp.int32)
 
-                z, conv, iters = newton(res, z0, solve_with(factors0, scale0))
+                def given():
+                    return y1_end, (jnp.ones((), bool), zero, mem.factors, zero)
 
-                def again():
-                    factors = solver.factors(fresh_state(anchor=(z, factors0)))
-                    z2, conv2, more = newton(res, z0, solve_with(factors))
-                    return z2, conv2, iters + more, factors, jnp.ones((), jnp.int32)
+                def either():
+                    return _where(known, given(), iterate(res, z0))
 
-                def keep():
-                    return z, conv, iters, factors0, (~reuse).astype(jnp.int32)
-
-                z, conv, iters, factors, work = jax.lax.cond(~conv & reuse, again, keep)
-                return z, (conv, iters, factors, work)
+                return jax.lax.cond(any_over_batch(~known), either, given)
 
         y1, aux = custom_root(residual, y_pred, solve, solver, has_aux=True)
         ok, iters, factors, work = stat(aux)
