@@ -14,9 +14,9 @@ How it works:
   device, and a `jax.pure_callback` receives only its message values, its index and the
   batch shape (a few scalars, never `x` or anything batch-sized) and raises on the
   host. The branch's boolean result (False whenever the program goes on) selects
-  between the first leaf of `x` and NaN, so the check is part of the data flow of the
-  returned value and cannot be removed as dead code, as long as the caller uses the
-  result; and since `x` itself never enters the branch, a sharded `x` keeps its
+  between each leaf of `x` and NaN, so the check is part of the data flow of every
+  part of the returned value and cannot be removed as dead code, as long as the caller
+  uses any of it; and since `x` itself never enters the branch, a sharded `x` keeps its
   sharding (a callback's operands are gathered to one device).
 - `check_lazily` is the same check for solvers whose per-element verdict costs a pass
   over the iterate: a cheap batch-wide flag opens the branch, and the verdict and the

@@ -36,6 +36,7 @@ from .methods import AbstractMethod, StageTolerance
 from .state import RecordBuffers, StepState
 
 __all__ = [
+    "LINEARIZE_CHUNK",
     "LoopConfig",
     "Taken",
     "attempt",
@@ -75,10 +76,17 @@ class LoopConfig:
         return StageTolerance(rtol=self.rtol, atol=self.atol, size=self.err_size)
 
 
+#: Steps the checkpointed adjoint's sweep linearises at once (see
+#: `solvers.ode.adjoints.sweep`); a segment between checkpoints holds a multiple of it.
+LINEARIZE_CHUNK = 8
+
+
 def checkpoint_every(record: int) -> int:
     """Accepted steps between two checkpoints of the state when recording `record`
-    steps: `sqrt(record)`, so both the checkpoints and one segment hold that many."""
-    return max(1, math.isqrt(max(record, 1)))
+    steps: about `sqrt(record)`, so both the checkpoints and one segment hold that
+    many, rounded down to a multiple of `LINEARIZE_CHUNK` once it is that large."""
+    every = max(1, math.isqrt(max(record, 1)))
+    return every - every % LINEARIZE_CHUNK if every >= LINEARIZE_CHUNK else every
 
 
 def stepper(field, method: AbstractMethod):

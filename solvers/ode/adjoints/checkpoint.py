@@ -31,19 +31,20 @@ class CheckpointAdjoint(AbstractAdjoint):
     """The exact gradient of the computed solution (the discrete adjoint).
 
     The forward pass records each accepted step's start and size, the state (and the
-    derivative the next step starts from) every `sqrt(max_steps)` steps, and the states
-    of the latest `sqrt(max_steps)` steps; the backward pass recomputes one earlier
-    segment of states at a time and pulls the cotangent back through each step (one
-    `jax.vjp` of the step). The steps of a segment are linearised eight at a time in
-    one batch, so their Jacobians and factorisations run batched, and a method whose
-    stage equation is solved by the step's end (BDF's corrector) takes that end from
-    the record instead of iterating again. Outputs inside a step (`interpolate=True`)
-    are linear in the step's stages, so their cotangents join that pull-back. Memory is
+    derivative the next step starts from) every `sqrt(max_steps)` steps (rounded down to
+    a multiple of 8), and the states of the latest `sqrt(max_steps)` steps; the
+    backward pass recomputes one earlier segment of states at a time and pulls the
+    cotangent back through each step (one `jax.vjp` of the step). For a state of 100
+    entries or more, the steps of a segment are linearised eight at a time in one
+    batch, so their Jacobians and factorisations run batched; and a method whose stage
+    equation is solved by the step's end (BDF's corrector) takes that end from the
+    record instead of iterating again. Outputs inside a step (`interpolate=True`) are
+    linear in the step's stages, so their cotangents join that pull-back. Memory is
     `O(sqrt(max_steps))` states and the linearisations of eight steps (for a dense
     stage solver, eight `n x n` factorisations). Under `vmap` the sweep runs once for
-    the whole batch,
-    with the cotangents of shared parameters summed inside each step. Differentiable
-    once in reverse mode, then to any order in forward mode (`jax.hessian`).
+    the whole batch, with the cotangents of shared parameters summed inside each step.
+    Differentiable once in reverse mode, then to any order in forward mode
+    (`jax.hessian`).
 
     Attributes:
         max_steps: the most accepted steps recorded (more is an error naming it).

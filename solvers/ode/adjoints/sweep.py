@@ -10,8 +10,12 @@ cotangents join that same pull-back.
 
 Only the pull-backs are sequential: the linearisations (`jax.vjp`'s forward half,
 where an implicit step evaluates its Jacobian and factors its stage matrix at the
-solution) depend only on the recomputed states. So `LINEARIZE_CHUNK` steps are
-linearised at once under `vmap`, their pull-backs kept as pytrees with a leading chunk
+solution) depend only on the recomputed states. So for one solve of at least
+`LINEARIZE_MIN_STATES` states, `LINEARIZE_CHUNK` steps are linearised at once under
+`vmap` (their factorisations and field evaluations batched:
+a band LU of 512 unknowns costs about a seventh as much per matrix in a batch of 64
+as alone; the last chunk of a segment may run past its steps, and a chunk's
+linearisations are held at once), their pull-backs kept as pytrees with a leading chunk
 axis, and then applied one at a time, last first. The replay knows each step's end
 (the next step's start, or the next checkpoint), and hands it to the method
 (`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
@@ -35,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from implicitdiff import Primitive
 from implicitdiff.internal import any_over_batch, max_over_batch
@@ -48,7 +53,7 @@ from ..interpolation import (
     output_moments,
     pull_back_outputs,
 )
-from ..loop import LoopConfig, replayer, select, stepper
+from ..loop import LINEARIZE_CHUNK, LoopConfig, replayer, select, stepper
 from ..methods import combine_carry, partition_carry
 from ..outputs import output_window
 
@@ -171,12 +176,12 @@ class _BatchedSweep(_Sweep):
 # The most numbers (`n_out * n`) for which the sweep sums the outputs' cotangents per
 # step before it starts (`_sweep`), instead of a few rows at a time at each step.
 _GROUPED_MAX = 4096
-# Steps linearised together (one `vmap`) by the sweep, at most: their factorisations
-# and field evaluations run batched, the cheaper the more there are (a band LU of 512
-# unknowns costs about a seventh per matrix in a batch of 64 than alone), while the
-# linearisations of a chunk are held at once and the last chunk of a segment may run
-# past its steps.
-LINEARIZE_CHUNK = 8
+# The fewest states for which one solve's sweep linearises `LINEARIZE_CHUNK` steps at
+# once. Measured on CPU (jit(grad), compile and run): a 128-state band system's
+# gradient runs 27% faster in chunks of eight and compiles 40% slower; at 32 states
+# (dense) and at 8 (HIRES, rodas5p: 25% faster, a third more compile time) the batch
+# gains little against the loop's own overheads.
+LINEARIZE_MIN_STATES = 100
 
 
 def _axes_like(tree: Any, axis: int | None) -> Any:
@@ -190,9 +195,9 @@ def _unflatten_like(tree: Any, flat_axes: tuple) -> Any:
 def _map_batch(fn, size: int, in_axes: tuple):
     """`jax.vmap(fn, in_axes)` over a leading batch axis of `size` (each entry of
     `in_axes` 0, None, or a pytree of them); for a batch of one, `fn` on its only
-    element. A step under `vmap` runs both branches of each `cond` it holds (a method's
-    choice between a kept and a fresh factorisation, say), so one solve's sweep does
-    not batch."""
+    element: a step under `vmap` runs both branches of each `cond` whose predicate is
+    batched (radau5's refined error estimate, say), and the batched forms of scans and
+    gathers are slower."""
     if size != 1:
         return jax.vmap(fn, in_axes)
 
@@ -229,8 +234,11 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     window = output_window(n_out, n)
     pd_axes, pn_axes = p_axes
     step = stepper(f, method)
-    replay = replayer(f, method)
-    chunk = math.gcd(every, LINEARIZE_CHUNK)
+    step_known = replayer(f, method)
+    # Linearisations in chunks for one solve of a large enough state (a batch of solves
+    # already linearises its elements together; see `LINEARIZE_MIN_STATES`).
+    chunked = size == 1 and n >= LINEARIZE_MIN_STATES
+    chunk = math.gcd(every, LINEARIZE_CHUNK) if chunked else 1
 
     def one_step(y, k1, t, h, pd, pn):
         # One element's step from `y` with carry `k1`, with what its interpolant is
@@ -240,7 +248,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
     def one_replay(y, k1, t, h, pd, pn, y1, known):
         # `one_step` with the step's end `y1` known where `known` (`replay_step`).
-        y1, _, k_next, _, ks = replay(y, k1, t, h, (pd, pn), loop.stage_tol, (y1, known))
+        y1, _, k_next, _, ks = step_known(y, k1, t, h, (pd, pn), loop.stage_tol, (y1, known))
         return y1, k_next, method.slope(k_next), ks
 
     batch_step = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes))
@@ -306,12 +314,16 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         ptr, basis_ct = jax.lax.while_loop(due, gather, (ptr, basis))
         return basis_ct, ptr
 
-    def linearize_step(k, y, k1, end):
+    def linearize_step(k, y, k1, end, stand_in):
         """Step `k` (per element) from `y` with carry `k1`, its end `end = (y1, known)`
         (see `replay_step`), linearised: its pull-back, a pytree of the
-        linearisation's values (see `jax.vjp`)."""
+        linearisation's values (see `jax.vjp`). Where `stand_in` (a masked element, see
+        `linearize_chunk`), a recorded size of 0 (a solve that took no step) is
+        replaced by a tiny one, whose stage matrix is about the identity over it."""
         k = jnp.minimum(k, cap - 1)[:, None]
         t, h = jnp.take_along_axis(rec_t, k, 1)[:, 0], jnp.take_along_axis(rec_h, k, 1)[:, 0]
+        tiny = jnp.sqrt(jnp.finfo(h.dtype).eps) * jnp.maximum(jnp.abs(t), 1)
+        h = jnp.where(stand_in & (h == 0), tiny, h)
         y1, known = end
         # Only the carry's values are differentiated; its memory is replayed as it was.
         values, memory = partition_carry(k1)
@@ -402,13 +414,15 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
         def linearize_chunk(j0):
             # The pull-backs of steps `j0 .. j0 + chunk - 1`, linearised together: each
-            # leaf of the pull-back with the chunk's axis first. A masked element (a
-            # step past its count) is linearised at a step it did take, the last in
-            # this segment or else its very last (kept by the forward pass), and pulls
-            # back zeros: a step of size 0 may not have a finite linearisation (a
-            # singular stage matrix), and zero times a non-finite value is not zero.
+            # array leaf of the pull-back with the chunk's axis first. A masked element
+            # (a step past its count) is linearised at a step it did take (the last in
+            # this segment, else its very last, kept by the forward pass, else its
+            # start) and pulls back zeros: a step of size 0 may not have a finite
+            # linearisation (a singular stage matrix), and zero times a non-finite
+            # value is not zero.
             tree = []
             last = jnp.maximum(steps - 1, 0)
+            took = steps >= 1
 
             def one(j):
                 active = j < m
@@ -416,35 +430,44 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 row = jnp.where(active, j, jnp.maximum(m - 1, 0))
                 slot = last % every
 
-                def at(b, b_last):
+                def at(b, b_last, b_cp):
                     pick = lambda x, i: jnp.take_along_axis(  # noqa: E731
                         x, i.reshape((size, 1) + (1,) * (x.ndim - 2)), axis=1
                     )[:, 0]
-                    return select(here, pick(b, row), pick(b_last, slot))
+                    return select(here, pick(b, row), select(took, pick(b_last, slot), b_cp[:, 0]))
 
-                y = at(ys, y_last)
-                k1 = jax.tree_util.tree_map(at, k1s, k_last)
-                y1 = at(ends, y_last)
+                y = at(ys, y_last, y_cp)
+                k1 = jax.tree_util.tree_map(at, k1s, k_last, k_cp)
+                y1 = at(ends, y_last, y_cp)
                 known = here & ((row + 1 < m) | ~kept)
                 k = jnp.where(here, k0 + row, last)
-                leaves, treedef = jax.tree_util.tree_flatten(linearize_step(k, y, k1, (y1, known)))
-                tree.append(treedef)
-                return leaves
+                pullback = linearize_step(k, y, k1, (y1, known), ~active)
+                leaves, treedef = jax.tree_util.tree_flatten(pullback)
+                # Only arrays cross the `vmap`; anything else in the pull-back (a marker
+                # object) is the same for every step and is kept aside.
+                arrays = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+                tree.append((treedef, arrays, [None if a else x for a, x in zip(arrays, leaves)]))
+                return [x for a, x in zip(arrays, leaves) if a]
 
-            leaves = jax.vmap(one)(j0 + jnp.arange(chunk))
-            return tree[0], leaves
+            found = _map_batch(one, chunk, (0,))(j0 + jnp.arange(chunk))
+            treedef, arrays, others = tree[0]
+
+            def pullback_at(r):
+                it = iter(found)
+                return treedef.unflatten([next(it)[r] if a else x for a, x in zip(arrays, others)])
+
+            return pullback_at
 
         def back_chunk(i, c):
             # Chunks last first, and inside a chunk its steps last first. The chunks
             # start at multiples of `chunk` (which divides `every`), so the last one
             # may reach past `m_max`: those steps are masked for every element.
             j0 = (n_chunks - 1 - i) * chunk
-            treedef, leaves = linearize_chunk(j0)
+            pullback_at = linearize_chunk(j0)
 
             def back(jj, c):
                 r = chunk - 1 - jj
-                pullback = treedef.unflatten([x[r] for x in leaves])
-                return back_step(j0 + r, pullback, c)
+                return back_step(j0 + r, pullback_at(r), c)
 
             return jax.lax.fori_loop(0, chunk, back, c)
 

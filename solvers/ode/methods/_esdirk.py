@@ -162,8 +162,8 @@ class ESDIRK(TableauMethod):
             z, (conv, eta) = custom_root(residual, guess, solve, tangent_solve, has_aux=True)
             eta = jax.lax.stop_gradient(eta)
             ok = ok & conv
-            # (A zero step, as the checkpointed sweep gives an element it masks, has no
-            # stage derivatives.)
+            # (A zero step, such as a solve from `t0` to `t0` attempts, has no stage
+            # derivatives.)
             hg = jnp.asarray(h * g, dt)
             nonzero = hg != 0
             ks.append(jnp.where(nonzero, (z - base) / jnp.where(nonzero, hg, 1), 0))
