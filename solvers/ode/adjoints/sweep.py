@@ -12,12 +12,12 @@ Only the pull-backs are sequential: the linearisations (`jax.vjp`'s forward half
 where an implicit step evaluates its Jacobian and factors its stage matrix at the
 solution) depend only on the recomputed states. So for one solve of at least
 `LINEARIZE_MIN_STATES` states, `LINEARIZE_CHUNK` steps are linearised at once under
-`vmap` (their factorisations and field evaluations batched:
-a band LU of 512 unknowns costs about a seventh as much per matrix in a batch of 64
-as alone; the last chunk of a segment may run past its steps, and a chunk's
-linearisations are held at once), their pull-backs kept as pytrees with a leading chunk
-axis, and then applied one at a time, last first. The replay knows each step's end
-(the next step's start, or the next checkpoint), and hands it to the method
+`vmap`, their pull-backs kept as pytrees with a leading chunk axis, and then applied
+one at a time, last first. The batch runs the chunk's factorisations and field
+evaluations together (a band LU of 512 unknowns costs about a seventh as much per
+matrix in a batch of 64 as alone); the price is a chunk's linearisations held at once
+and a last chunk that may run past its segment's steps. The replay knows each step's
+end (the next step's start, or the next checkpoint) and hands it to the method
 (`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
 iterating again.
 

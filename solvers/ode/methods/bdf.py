@@ -23,7 +23,9 @@ Derivatives: the corrector goes through `implicitdiff.custom_root` (the implicit
 function theorem at its solution, never the iterations), and everything else is
 linear in the differences, which the carry holds. The checkpointed adjoint therefore
 differentiates through the whole history: the gradient is that of the computed
-solution, with the step sizes and orders held fixed.
+solution, with the step sizes and orders held fixed. Its backward pass knows each
+step's end, so a replayed corrector takes it as its solution (`replay_step`) and only
+its implicit derivative is computed there.
 """
 
 from __future__ import annotations
