@@ -32,7 +32,7 @@ from implicitdiff.internal import any_over_batch
 
 from . import controller, progress
 from .info import DT_UNDERFLOW, EVENT, MAX_STEPS, NONFINITE, SUCCESS
-from .methods import AbstractMethod, StageTolerance
+from .methods import AbstractMethod, StageTolerance, select
 from .state import RecordBuffers, StepState
 
 __all__ = [
@@ -42,8 +42,6 @@ __all__ = [
     "attempt",
     "carrier",
     "checkpoint_every",
-    "replayer",
-    "select",
     "stepper",
     "while_any",
 ]
@@ -91,41 +89,27 @@ def checkpoint_every(record: int) -> int:
 
 def stepper(field, method: AbstractMethod):
     """One step of `method` on `field` (called `field(y, t, *params)`):
-    `step(y, carry, t, h, params, tol) -> (y1, y_error, carry1, ok, stages)`, with
-    `carry` the method's (see `solvers.ode.methods`).
+    `step(y, carry, t, h, params, tol, end=None) -> (y1, y_error, carry1, ok,
+    stages)`, with `carry` the method's (see `solvers.ode.methods`). The adjoint's
+    replay of a recorded step passes its end, `end = (y1, known)` (see
+    `AbstractMethod.replay_step`).
 
     A field may define its own `step(method, y, carry, t, h, params, tol)`: the
     forward sensitivities' field steps as the derivative of the step it
-    differentiates."""
+    differentiates (and recomputes the end)."""
     own = getattr(field, "step", None)
     if own is not None:
-        return lambda y, k1, t, h, params, tol: own(method, y, k1, t, h, params, tol)
+        return lambda y, k1, t, h, params, tol, end=None: own(method, y, k1, t, h, params, tol)
 
     def f(y, t, params):
         return field(y, t, *params)
 
-    def step(y, k1, t, h, params, tol):
-        return method.step_with_stages(f, y, k1, t, h, params, tol=tol)
-
-    return step
-
-
-def replayer(field, method: AbstractMethod):
-    """`stepper` for the adjoint's pass over a recorded step whose end is known:
-    `replay(y, carry, t, h, params, tol, end)` with `end = (y1, known)` (see
-    `AbstractMethod.replay_step`). A field with its own `step` takes that one, which
-    recomputes the end."""
-    own = getattr(field, "step", None)
-    if own is not None:
-        return lambda y, k1, t, h, params, tol, end: own(method, y, k1, t, h, params, tol)
-
-    def f(y, t, params):
-        return field(y, t, *params)
-
-    def replay(y, k1, t, h, params, tol, end):
+    def step(y, k1, t, h, params, tol, end=None):
+        if end is None:
+            return method.step_with_stages(f, y, k1, t, h, params, tol=tol)
         return method.replay_step(f, y, k1, t, h, params, end, tol=tol)
 
-    return replay
+    return step
 
 
 def carrier(field, method: AbstractMethod):
@@ -242,17 +226,6 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
         progress.report(new, *span)
     taken = Taken(t=t, h=h_step, y=y, y1=y1, k_next=slope1, ks=ks, accept=accept, live=live)
     return new, rec, taken
-
-
-def select(which, a, b):
-    """`a` where `which` (a scalar, or a leading part of the shapes), else `b`: leaf
-    by leaf for two pytrees of the same structure (a method's carries)."""
-
-    def one(x, y):
-        w = jnp.reshape(which, jnp.shape(which) + (1,) * (jnp.ndim(x) - jnp.ndim(which)))
-        return jnp.where(w, x, y)
-
-    return jax.tree_util.tree_map(one, a, b)
 
 
 def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):

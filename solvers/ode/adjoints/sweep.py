@@ -53,8 +53,8 @@ from ..interpolation import (
     output_moments,
     pull_back_outputs,
 )
-from ..loop import LINEARIZE_CHUNK, LoopConfig, replayer, select, stepper
-from ..methods import combine_carry, partition_carry
+from ..loop import LINEARIZE_CHUNK, LoopConfig, stepper
+from ..methods import combine_carry, partition_carry, select
 from ..outputs import output_window
 
 __all__ = ["CheckpointSweep", "batch_first", "batched_sweep", "shared_or_first"]
@@ -234,25 +234,20 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     window = output_window(n_out, n)
     pd_axes, pn_axes = p_axes
     step = stepper(f, method)
-    step_known = replayer(f, method)
     # Linearisations in chunks for one solve of a large enough state (a batch of solves
     # already linearises its elements together; see `LINEARIZE_MIN_STATES`).
     chunked = size == 1 and n >= LINEARIZE_MIN_STATES
     chunk = math.gcd(every, LINEARIZE_CHUNK) if chunked else 1
 
-    def one_step(y, k1, t, h, pd, pn):
+    def one_step(y, k1, t, h, pd, pn, *end):
         # One element's step from `y` with carry `k1`, with what its interpolant is
-        # built from: (y1, k_next, f at y1, ks).
-        y1, _, k_next, _, ks = step(y, k1, t, h, (pd, pn), loop.stage_tol)
-        return y1, k_next, method.slope(k_next), ks
-
-    def one_replay(y, k1, t, h, pd, pn, y1, known):
-        # `one_step` with the step's end `y1` known where `known` (`replay_step`).
-        y1, _, k_next, _, ks = step_known(y, k1, t, h, (pd, pn), loop.stage_tol, (y1, known))
+        # built from: (y1, k_next, f at y1, ks). With `end = (y1, known)`, the step's
+        # end where `known` (`replay_step`).
+        y1, _, k_next, _, ks = step(y, k1, t, h, (pd, pn), loop.stage_tol, end or None)
         return y1, k_next, method.slope(k_next), ks
 
     batch_step = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes))
-    batch_replay = _map_batch(one_replay, size, (0, 0, 0, 0, pd_axes, pn_axes, 0, 0))
+    batch_replay = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes, 0, 0))
     batch_field = _map_batch(f, size, (0, 0, pd_axes, pn_axes))
 
     def step_at(k):

@@ -29,6 +29,7 @@ from ._base import (
     StageTolerance,
     combine_carry,
     partition_carry,
+    select,
 )
 from ._esdirk import ESDIRK
 from ._rosenbrock import Rosenbrock, RosenbrockTableau
@@ -52,6 +53,7 @@ __all__ = [
     "Memory",
     "partition_carry",
     "combine_carry",
+    "select",
     "TableauMethod",
     "ExplicitRungeKutta",
     "ESDIRK",

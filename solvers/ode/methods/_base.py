@@ -36,6 +36,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from .. import controller
 
@@ -48,6 +49,7 @@ __all__ = [
     "combine_carry",
     "jacobian_product",
     "partition_carry",
+    "select",
 ]
 
 
@@ -72,6 +74,17 @@ def partition_carry(carry):
 def combine_carry(values, memory):
     """The carry from `partition_carry`'s two parts."""
     return eqx.combine(values, memory, is_leaf=_is_memory)
+
+
+def select(which, a, b):
+    """`a` where `which` (a scalar, or a leading part of the shapes), else `b`: leaf
+    by leaf for two pytrees of the same structure (a method's carries)."""
+
+    def one(x, y):
+        w = jnp.reshape(which, jnp.shape(which) + (1,) * (jnp.ndim(x) - jnp.ndim(which)))
+        return jnp.where(w, x, y)
+
+    return jax.tree_util.tree_map(one, a, b)
 
 
 def jacobian_product(f, y, t, params):

@@ -43,7 +43,7 @@ from implicitdiff import custom_root, linear_solve
 from implicitdiff.internal import any_over_batch
 from implicitdiff.linear_solve import LinearSolver
 
-from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product
+from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product, select
 from ._newton import simplified_newton
 
 __all__ = ["BDF", "BDFCarry", "BDFMemory", "MAX_ORDER", "NEWTON_ITERS"]
@@ -67,11 +67,6 @@ def _coefficients(ndf: bool):
     alpha = (1 - kappa) * gamma
     error_const = kappa * gamma + 1.0 / np.arange(1, MAX_ORDER + 2)
     return gamma, alpha, error_const
-
-
-def _where(pred, a, b):
-    """`a` where the scalar `pred`, else `b`, leaf by leaf."""
-    return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def _rescale_matrix(factor):
@@ -301,7 +296,7 @@ class BDF(AbstractMethod):
             # factorisation runs once for the batch, only when some element needs it.
             factors0 = jax.lax.cond(
                 any_over_batch(~reuse),
-                lambda: _where(reuse, mem.factors, solver.factors(fresh_state())),
+                lambda: select(reuse, mem.factors, solver.factors(fresh_state())),
                 lambda: mem.factors,
             )
             scale0 = jnp.where(reuse, 2 / (1 + ratio_c), 1)
@@ -321,7 +316,7 @@ class BDF(AbstractMethod):
 
             retry = ~conv & reuse
             z, conv, iters, factors, work = jax.lax.cond(
-                any_over_batch(retry), lambda: _where(retry, again(), keep()), keep
+                any_over_batch(retry), lambda: select(retry, again(), keep()), keep
             )
             return z, (conv, iters.astype(jnp.int32), factors, work)
 
@@ -339,7 +334,7 @@ class BDF(AbstractMethod):
                     return y1_end, (jnp.ones((), bool), zero, mem.factors, zero)
 
                 def either():
-                    return _where(known, given(), iterate(res, z0))
+                    return select(known, given(), iterate(res, z0))
 
                 return jax.lax.cond(any_over_batch(~known), either, given)
 
