@@ -1,7 +1,11 @@
 """Stiff problems of the IVP test set: `odeint`'s stiff methods against diffrax and SciPy.
 
-Problems (float64): ROBER to `t = 1e5`, HIRES, VDPOL with `eps = 1e-6`, OREGO and the
-Brusselator on a line of 64 points (128 states; `--full` adds 256 points); then large
+Problems (float64): ROBER to `t = 1e5`, HIRES, VDPOL with `eps = 1e-6`, OREGO, the
+Brusselator on a line of 64 points (128 states; `--full` adds 256 points) and ROBER as
+a differential-algebraic system (the conservation law `y1 + y2 + y3 = 1` as its third
+equation: ours with `mass_matrix`, the peers on the equivalent ODE), and the transistor
+amplifier (TRANSAMP, a DAE with a full singular mass matrix that only ours solve, against
+the test set's reference solution); then large
 systems with banded Jacobians: the Brusselator line at 256 and 1024 points and 64 and
 1000 copies of ROBER (`--full` adds 4096 points, one copy and 10,000 copies), and the
 Brusselator on a 16 x 16 grid with a sparse one (`--full` adds 32 x 32). For each,
@@ -74,6 +78,80 @@ class Problem:
     t1: float
     rtol: float
     atol: float
+    #: A differential-algebraic problem's mass matrix (its diagonal), and the
+    #: equivalent ODE that the peers and the reference solve.
+    mass: tuple | None = None
+    ode_f: object = None
+    #: y(T) given with the problem (else SciPy's Radau at rtol 1e-12 computes it).
+    ref: tuple | None = None
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether diffrax and SciPy solve it (a DAE only through an equivalent ODE)."""
+        return self.mass is None or self.ode_f is not None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """Ours that solve it (the ESDIRK method takes no mass matrix)."""
+        return tuple(m for m in OURS if self.mass is None or m != "kvaerno5")
+
+    def for_peers(self) -> Problem:
+        """The problem as the peers solve it: the equivalent ODE of a DAE."""
+        return self if self.ode_f is None else dataclasses.replace(self, f=self.ode_f)
+
+
+def rober_dae(y, t, p, xp):
+    """ROBER with the conservation law `y1 + y2 + y3 = 1` as its third equation."""
+    return xp.stack(
+        [
+            -p[0] * y[0] + p[2] * y[1] * y[2],
+            p[0] * y[0] - p[2] * y[1] * y[2] - p[1] * y[1] ** 2,
+            y[0] + y[1] + y[2] - 1.0,
+        ]
+    )
+
+
+_AMP = dict(ub=6.0, uf=0.026, alpha=0.99, beta=1e-6, r0=1000.0, r=9000.0)
+
+
+def transistor_amplifier(y, t, p, xp):
+    """The transistor amplifier of the IVP test set (`transamp.F`): `M y' = f` with
+    a full, singular `M` of capacitances; `p = (ub,)`, the supply voltage."""
+    a = _AMP
+    ub, r = p[0], a["r"]
+    ue = 0.1 * xp.sin(200 * np.pi * t)
+    g1 = a["beta"] * (xp.exp((y[1] - y[2]) / a["uf"]) - 1)
+    g2 = a["beta"] * (xp.exp((y[4] - y[5]) / a["uf"]) - 1)
+    return xp.stack(
+        [
+            (y[0] - ue) / a["r0"],
+            y[1] / r + (y[1] - ub) / r + (1 - a["alpha"]) * g1,
+            y[2] / r - g1,
+            (y[3] - ub) / r + a["alpha"] * g1,
+            y[4] / r + (y[4] - ub) / r + (1 - a["alpha"]) * g2,
+            y[5] / r - g2,
+            (y[6] - ub) / r + a["alpha"] * g2,
+            y[7] / r,
+        ]
+    )
+
+
+def _amplifier_problem() -> Problem:
+    m = np.zeros((8, 8))
+    for (i, j), ck in zip(((0, 1), (3, 4), (6, 7)), (1e-6, 3e-6, 5e-6)):
+        m[i, i] = m[j, j] = -ck
+        m[i, j] = m[j, i] = ck
+    m[2, 2], m[5, 5] = -2e-6, -4e-6
+    # y(0.2) by PSIDE at rtol = atol = 1e-14, the test set's reference solution.
+    ref = (
+        -0.5562145012262709e-2, 0.3006522471903042e1, 0.2849958788608128e1,
+        0.2926422536206241e1, 0.2704617865010554e1, 0.2761837778393145e1,
+        0.4770927631616772e1, 0.1236995868091548e1,
+    )  # fmt: skip
+    y0 = (0.0, 3.0, 3.0, 6.0, 3.0, 3.0, 6.0, 0.0)
+    mass = tuple(map(tuple, m))
+    return Problem("TRANSAMP DAE (8)", transistor_amplifier, y0, (6.0,), 0.2, 1e-6, 1e-6,
+                   mass, None, ref)  # fmt: skip
 
 
 def _bruss_problem(n: int) -> Problem:
@@ -92,6 +170,8 @@ def problems(mode: str) -> list[Problem]:
         Problem("VDPOL (2)", vdpol, *of("vdpol"), 2.0, 1e-6, 1e-6),
         Problem("OREGO (3)", orego, *of("orego"), 360.0, 1e-6, 1e-6),
         _bruss_problem(64),
+        Problem("ROBER DAE (3)", rober_dae, *of("rober"), 1e5, 1e-6, 1e-10, (1.0, 1.0, 0.0), rober),
+        _amplifier_problem(),
     ]
     if mode == "full":
         out.append(_bruss_problem(256))
@@ -109,14 +189,15 @@ def ours(prob: Problem, method: str, rtol: float, atol: float):
     def field(y, t, p):
         return prob.f(y, t, p, jnp)
 
+    mass = None if prob.mass is None else np.asarray(prob.mass)
+    kw = dict(method=method, rtol=rtol, atol=atol, mxstep=10**6, mass_matrix=mass)
+
     def solve(p):
-        ys, info = odeint(
-            field, y0, ts, p, method=method, rtol=rtol, atol=atol, mxstep=10**6, return_info=True
-        )
+        ys, info = odeint(field, y0, ts, p, return_info=True, **kw)
         return ys[-1], info.steps
 
     def loss(p):
-        ys = odeint(field, y0, ts, p, method=method, rtol=rtol, atol=atol, mxstep=10**6)
+        ys = odeint(field, y0, ts, p, **kw)
         return jnp.sum(ys[-1])
 
     return jax.jit(solve), loss
@@ -173,9 +254,11 @@ def scipy_solver(prob: Problem, method: str, rtol: float, atol: float):
 
 
 def reference(prob: Problem) -> np.ndarray:
-    """y(T) by SciPy's Radau at `rtol = 1e-12`."""
+    """y(T) by SciPy's Radau at `rtol = 1e-12`, or the problem's own."""
+    if prob.ref is not None:
+        return np.asarray(prob.ref)
     atol = 1e-14 * max(prob.atol / prob.rtol, 1e-2)
-    return scipy_solver(prob, "Radau", 1e-12, atol)()[0]
+    return scipy_solver(prob.for_peers(), "Radau", 1e-12, atol)()[0]
 
 
 def error(y, ref, atol) -> float:
@@ -212,11 +295,12 @@ def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
     p = jnp.asarray(prob.p)
     rows: dict[str, Row] = {}
     solves, losses = {}, {}
-    for m in OURS:
+    for m in prob.methods:
         solves[f"ours ({m})"], losses[f"ours ({m})"] = ours(prob, m, prob.rtol, prob.atol)
-    solves["diffrax Kvaerno5"], losses["diffrax Kvaerno5"] = diffrax_kvaerno5(
-        prob, prob.rtol, prob.atol
-    )
+    if prob.has_peers:
+        solves["diffrax Kvaerno5"], losses["diffrax Kvaerno5"] = diffrax_kvaerno5(
+            prob.for_peers(), prob.rtol, prob.atol
+        )
     for name, solve in solves.items():
         log(f"  {prob.name}: {name} forward")
         y, steps = jax.block_until_ready(solve(p))
@@ -237,10 +321,10 @@ def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
         rows[name].grad = interleaved(
             {name: compiled}, rounds=rounds, block=1, budget=20.0, args=(p,)
         )[name]
-    for method in SCIPY:
+    for method in SCIPY if prob.has_peers else ():
         name = f"scipy {method}"
         log(f"  {prob.name}: {name}")
-        solve = scipy_solver(prob, method, prob.rtol, prob.atol)
+        solve = scipy_solver(prob.for_peers(), method, prob.rtol, prob.atol)
         try:
             y, steps = solve()
             row = Row(name, steps=int(steps), err=error(y, ref, prob.atol))
@@ -258,14 +342,15 @@ def work_precision(prob: Problem, tols: list[float], ref: np.ndarray) -> dict[st
     p = jnp.asarray(prob.p)
     for tol in tols:
         atol = tol * prob.atol / prob.rtol
-        solves = {f"ours ({m})": ours(prob, m, tol, atol)[0] for m in OURS}
-        solves["diffrax Kvaerno5"] = diffrax_kvaerno5(prob, tol, atol)[0]
+        solves = {f"ours ({m})": ours(prob, m, tol, atol)[0] for m in prob.methods}
+        if prob.has_peers:
+            solves["diffrax Kvaerno5"] = diffrax_kvaerno5(prob.for_peers(), tol, atol)[0]
         med = interleaved(solves, rounds=3, block=1, budget=10.0, args=(p,))
         for name, solve in solves.items():
             y, _ = solve(p)
             out.setdefault(name, []).append((tol, med[name], error(y, ref, atol)))
-        for method in SCIPY:
-            solve = scipy_solver(prob, method, tol, atol)
+        for method in SCIPY if prob.has_peers else ():
+            solve = scipy_solver(prob.for_peers(), method, tol, atol)
             try:
                 y, _ = solve()
                 t = _time_host(solve, 1)
@@ -551,10 +636,27 @@ def render(results, tols, mode: str, seconds: float, loads, large=()) -> str:
     ]
     goals = []
     for prob, rows in results:
+        if prob.mass is not None and prob.has_peers:
+            lines += [
+                f"{prob.name}: ours solve the DAE (`mass_matrix`, the third equation the "
+                "conservation law); diffrax and SciPy, which have no DAE solver, the "
+                "equivalent ODE.",
+                "",
+            ]
+        elif prob.mass is not None:
+            lines += [
+                f"{prob.name}: a DAE with a full singular mass matrix; neither diffrax nor "
+                "SciPy solves it. Error against the test set's reference (PSIDE at 1e-14).",
+                "",
+            ]
         lines += _table(prob, rows)
         by = {r.impl: r for r in rows}
+        if not prob.has_peers:
+            continue
         dfx = by["diffrax Kvaerno5"]
-        best_ours = min((by[f"ours ({m})"] for m in OURS), key=lambda r: r.forward or math.inf)
+        best_ours = min(
+            (by[f"ours ({m})"] for m in prob.methods), key=lambda r: r.forward or math.inf
+        )
         sp = [by[f"scipy {m}"] for m in SCIPY if by[f"scipy {m}"].forward]
         best_sp = min(sp, key=lambda r: r.forward) if sp else None
         goals.append(

@@ -10,12 +10,15 @@
   `outputs.py`: the loops and their outputs, `state.py`: the typed loop state),
   the interpolant inside a step (`interpolation.py`), the vector fields
   (`fields.py`), progress output (`progress.py`).
+- `MassMatrix` (`mass.py`): the constant `M` of a differential-algebraic system
+  `M y' = f` and the consistent initialisation of its algebraic unknowns.
 - `odeint_event` (`events.py`) and `steady_state` (`steady_state.py`).
 """
 
 from .adjoints import AbstractAdjoint, BacksolveAdjoint, CheckpointAdjoint
 from .events import odeint_event
 from .info import ODEInfo
+from .mass import MassMatrix
 from .methods import (
     ESDIRK,
     METHODS,
@@ -43,6 +46,7 @@ __all__ = [
     "odeint",
     "ODEInfo",
     "ODESolution",
+    "MassMatrix",
     "odeint_event",
     "steady_state",
     "AbstractMethod",

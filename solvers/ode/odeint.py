@@ -27,6 +27,7 @@ from .._checks import not_in_checked_shard_map, static_bool, static_int, status_
 from .adjoints import AbstractAdjoint, BacksolveAdjoint, resolve_adjoint
 from .fields import FlatField
 from .loop import LoopConfig
+from .mass import MassMatrix, consistent_state
 from .methods import METHODS, AbstractMethod, resolve_method
 from .solution import ODESolution, step_polynomials
 from .solve import Config, ODESolve
@@ -54,6 +55,8 @@ def odeint(
     interpolate: bool = False,
     jac: Callable[..., Any] | None = None,
     linear_solver: str | LinearSolver | None = None,
+    mass_matrix: Any = None,
+    consistent_y0: bool = True,
 ) -> Any:
     """Integrate `dy/dt = func(y, t, *args)` from `y(t[0]) = y0`; output at every `t[i]`.
 
@@ -143,6 +146,24 @@ def odeint(
             singular stage matrix then rejects the step instead of raising. The
             default is dense at every size and warns above `DENSE_STAGE_MAX_STATES`
             (1000) states, where a structured solver is much faster.
+        mass_matrix: the constant matrix `M` of a differential-algebraic system `M
+            y' = func(y, t, *args)`, `(n, n)` or its diagonal `(n,)` on the flattened
+            state (as `jac`), a concrete array. A singular `M` makes algebraic
+            equations: `0 = func_i` for a zero row `i`, `L func = 0` for the left null
+            vectors `L` of a full `M`. The system must be of index 1 (the algebraic
+            equations determine the unknowns along `M`'s null space). For `"radau5"`,
+            `"rodas5p"`, `"rodas4"` and `"bdf"`; every derivative mode but
+            `"backsolve"` and the derivative with respect to `t`; `dense=True` with the
+            methods that have their own interpolant (not `"bdf"`). A structured
+            `linear_solver` must hold `M`'s entries in its band or pattern (a diagonal
+            `M` always fits). Default: `None`, an ODE.
+        consistent_y0: with `mass_matrix`, first move the algebraic unknowns of `y0`
+            (along `M`'s null space) so that the algebraic equations hold at `t[0]`,
+            by Newton's method on them (`solvers.root`, with automatic derivatives of
+            `func`; its own derivatives are implicit, so the solution's derivative
+            with respect to `y0` keeps the constraints); the differential unknowns
+            are kept. `False` takes `y0` as it is (the first step then moves the
+            algebraic unknowns onto their equations).
 
     Returns:
         The solution, a pytree like `y0` with a leading axis of length `len(t)`, or
@@ -177,6 +198,7 @@ def odeint(
     static_bool(name, "progress", progress)
     static_bool(name, "dense", dense)
     static_bool(name, "interpolate", interpolate)
+    static_bool(name, "consistent_y0", consistent_y0)
     if dense and interpolate:
         raise ValueError(
             "odeint: `dense=True` already returns the interpolant over the whole span; "
@@ -220,6 +242,7 @@ def odeint(
                 f"{jnp.result_type(leaf)}; pass e.g. `jnp.asarray(y0, float)`"
             )
     y_flat, unravel = ravel_pytree(y0)
+    m = _with_mass_matrix(m, mass_matrix, y_flat.size, adjoint, dense)
     _warn_if_dense_is_large(m, linear_solver, y_flat.size)
     tdt = jnp.finfo(y_flat.dtype).dtype
     t = _check_times(t, tdt)
@@ -245,6 +268,12 @@ def odeint(
         _check_jac(jax.eval_shape(jac_conv, consts, y0, t[0], *args), y_flat)
     out = jax.eval_shape(f_conv, consts, y0, t[0], *args)
     _check_field(out, y_flat)
+    if getattr(m, "mass_matrix", None) is not None and consistent_y0:
+
+        def field0(v):
+            return ravel_pytree(func(unravel(v), t[0], *args))[0].astype(v.dtype)
+
+        y_flat = consistent_state(field0, y_flat, m.mass_matrix, throw=throw)
 
     params, ptree = jax.tree_util.tree_flatten((list(consts), args))
     params = [jnp.asarray(p) for p in params]
@@ -358,6 +387,78 @@ def _with_linear_solver(method: AbstractMethod, linear_solver: Any) -> AbstractM
         if any(f.name == "throw" for f in dataclasses.fields(solver)):
             solver = dataclasses.replace(solver, throw=False)
     return dataclasses.replace(method, linear_solver=solver)
+
+
+def _with_mass_matrix(
+    method: AbstractMethod, mass_matrix: Any, n: int, adjoint: AbstractAdjoint, dense: bool
+) -> AbstractMethod:
+    """`method` solving `M y' = f` with `M` from `mass_matrix` or already set on the
+    method object (None for neither: an ODE), after checking that it can."""
+    preset = getattr(method, "mass_matrix", None)
+    if mass_matrix is None and preset is None:
+        return method
+
+    def takes_mass(m: AbstractMethod) -> bool:
+        return any(f.name == "mass_matrix" for f in dataclasses.fields(m))
+
+    if not takes_mass(method):
+        able = tuple(k for k, m in METHODS.items() if takes_mass(m))
+        raise ValueError(
+            f"odeint: `mass_matrix` is for the methods {able}, whose stage equations "
+            f"take `M` in place of the identity; method={method.name!r} does not. For a "
+            "differential-algebraic system use method='radau5' (tight tolerances), "
+            "'rodas5p' (moderate ones) or 'bdf' (large systems)."
+        )
+    if mass_matrix is not None:
+        mass = MassMatrix(mass_matrix, n)
+    elif isinstance(preset, MassMatrix) and preset.n == n:
+        mass = preset
+    else:
+        raise TypeError(
+            f"odeint: the method's `mass_matrix` must be a solvers.ode.MassMatrix of {n} "
+            f"unknowns, got {preset!r}; or pass the matrix as odeint(mass_matrix=...)"
+        )
+    if isinstance(adjoint, BacksolveAdjoint):
+        raise ValueError(
+            "odeint: adjoint='backsolve' integrates the adjoint ODE backwards, which a "
+            "differential-algebraic system (`mass_matrix`) does not have in that form; "
+            "use adjoint='checkpoint' (the default of the implicit methods)."
+        )
+    if dense and method.continuous_weights() is None:
+        raise ValueError(
+            f"odeint: dense=True with a mass matrix needs a method with its own "
+            f"interpolant ('radau5', 'rodas5p', 'rodas4'): method={method.name!r} would "
+            "interpolate with slopes from `func`, which a differential-algebraic system "
+            "does not give for its algebraic unknowns"
+        )
+    _check_mass_fits(method.linear_solver, mass)
+    return dataclasses.replace(method, mass_matrix=mass)
+
+
+def _check_mass_fits(solver: Any, mass: MassMatrix) -> None:
+    """A structured stage solver builds its matrix from the entries of its band or
+    pattern only, so `M`'s entries must be among them."""
+    rows, cols = mass.nonzeros()
+    pattern = getattr(solver, "pattern", None)
+    if pattern is not None and hasattr(pattern, "rows"):
+        known = set(zip(pattern.rows.tolist(), pattern.cols.tolist()))
+        missing = [(int(r), int(c)) for r, c in zip(rows, cols) if (int(r), int(c)) not in known]
+        if missing:
+            raise ValueError(
+                f"odeint: `mass_matrix` has entries outside the linear solver's sparsity "
+                f"pattern, e.g. at {missing[0]}; build the pattern with them (the union of "
+                "the Jacobian's pattern and the mass matrix's nonzeros)"
+            )
+    elif getattr(solver, "layout_bound", False) and hasattr(solver, "lower"):
+        offsets = np.asarray(cols) - np.asarray(rows)
+        below = int(max(0, -offsets.min(initial=0)))
+        above = int(max(0, offsets.max(initial=0)))
+        if below > solver.lower or above > solver.upper:
+            raise ValueError(
+                f"odeint: `mass_matrix` has {below} sub- and {above} super-diagonals, "
+                f"outside the band of linear_solver (lower={solver.lower}, "
+                f"upper={solver.upper}); widen the band to hold both"
+            )
 
 
 def positive(name: str, arg: str, value: Any) -> float:

@@ -130,8 +130,15 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params):
     (`interpolation.step_coefficients`), with the stages recomputed from the nodes.
     """
 
+    span = ts[-1] - ts[0]
+
     def one(y, y1, t, t1):
         h = t1 - t
+        # The nodes after the last step repeat the end: a step of size 0 there has a
+        # singular stage matrix when a mass matrix is singular, so a tiny step stands
+        # in for it, and its polynomial is the constant `y` (derivatives included).
+        empty = h == 0
+        h = jnp.where(empty, 1e-9 * span, h)
         k1 = f(y, t, params)
         if method.continuous_weights() is not None:
             # The stages of a method without an iteration are recomputed exactly.
@@ -144,6 +151,8 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params):
         else:
             ks = method.stages_of(f, y, k1, t, h, params)
             k_next = ks[-1]
-        return step_coefficients(method, h, y, y1, k_next, ks)
+        coeffs = step_coefficients(method, h, y, y1, k_next, ks)
+        constant = jnp.zeros_like(coeffs).at[0].set(y)
+        return jnp.where(empty, constant, coeffs)
 
     return jax.vmap(one)(ys[:-1], ys[1:], ts[:-1], ts[1:])

@@ -197,6 +197,12 @@ def times_cotangent(f, ys, ts, pd, pn, g_ys, a0):
 
 
 def span_not_differentiable(cfg):
+    if getattr(cfg.loop.method, "mass_matrix", None) is not None:
+        raise NotImplementedError(
+            "odeint(mass_matrix=...) is not differentiable with respect to the times "
+            "`t`: the algebraic unknowns' derivatives are not given by `func`. "
+            "Differentiate with respect to `y0` and the arguments, at fixed times."
+        )
     if cfg.loop.dense:
         raise NotImplementedError(
             "odeint(dense=True) is not differentiable with respect to the span `t`; "

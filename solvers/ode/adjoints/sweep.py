@@ -39,7 +39,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from implicitdiff import Primitive
 from implicitdiff.internal import any_over_batch, max_over_batch
@@ -438,9 +437,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 k = jnp.where(here, k0 + row, last)
                 pullback = linearize_step(k, y, k1, (y1, known), ~active)
                 leaves, treedef = jax.tree_util.tree_flatten(pullback)
-                # Only arrays cross the `vmap`; anything else in the pull-back (a marker
-                # object) is the same for every step and is kept aside.
-                arrays = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+                # Only JAX arrays cross the `vmap`; anything else in the pull-back (a
+                # marker object, a NumPy constant) is the same for every step and is
+                # kept aside.
+                arrays = [isinstance(x, jax.Array) for x in leaves]
                 tree.append((treedef, arrays, [None if a else x for a, x in zip(arrays, leaves)]))
                 return [x for a, x in zip(arrays, leaves) if a]
 

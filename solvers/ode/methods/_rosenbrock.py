@@ -31,6 +31,7 @@ import numpy as np
 from implicitdiff import linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
+from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, jacobian_product
 
 __all__ = ["RosenbrockTableau", "Rosenbrock"]
@@ -96,12 +97,17 @@ class Rosenbrock(AbstractMethod):
             built from a few Jacobian-vector products), or a Krylov method such as
             `GMRES` (matrix-free). Give it `throw=False`: a step with a non-finite
             result is rejected and retried smaller.
+        mass_matrix: the constant `M` of a differential-algebraic system `M y' = f`
+            (`odeint(mass_matrix=...)` sets it), or `None` for an ODE. The stages then
+            solve with `M - h gamma J`, and the increment couplings are multiplied by
+            `M`.
     """
 
     tableau: RosenbrockTableau
     order: int
     name: str
     linear_solver: LinearSolver = linear_solve.Dense(throw=False)
+    mass_matrix: MassMatrix | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -149,7 +155,8 @@ class Rosenbrock(AbstractMethod):
         # through the operator, never through the factors.
         jvp = jacobian_product(f, y, t, params)
         solver = self.linear_solver
-        state = solver.init(lambda v: v - hg * jvp(v), y)
+        mass = lambda v: apply_mass(self.mass_matrix, v)  # noqa: E731
+        state = solver.init(lambda v: mass(v) - hg * jvp(v), y)
         needs_ft = any(di != 0.0 for di in tab.d)
         if needs_ft:
             tt = jnp.asarray(t)
@@ -171,9 +178,12 @@ class Rosenbrock(AbstractMethod):
             rhs = fi
             if tab.d[i] != 0.0:
                 rhs = rhs + (h * tab.d[i]) * f_t
+            coupling = None
             for cij, kj in zip(tab.C[i], ks):
                 if cij != 0.0:
-                    rhs = rhs + cij * kj
+                    coupling = cij * kj if coupling is None else coupling + cij * kj
+            if coupling is not None:
+                rhs = rhs + mass(coupling)
             ks.append(tab.gamma * solver.solve(state, rhs))
         y1 = stage_arg(tab.b, ks)
         err = sum((h * ei) * ki for ei, ki in zip(tab.e, ks) if ei != 0.0)

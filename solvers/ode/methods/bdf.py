@@ -43,6 +43,7 @@ from implicitdiff import custom_root, linear_solve
 from implicitdiff.internal import any_over_batch
 from implicitdiff.linear_solve import LinearSolver
 
+from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product, select
 from ._newton import simplified_newton
 
@@ -160,12 +161,16 @@ class BDF(AbstractMethod):
             failed corrector rejects the step).
         order: the order of the first steps (the method chooses its own afterwards),
             which also sets the first step size.
+        mass_matrix: the constant `M` of a differential-algebraic system `M y' = f`
+            (`odeint(mass_matrix=...)` sets it), or `None` for an ODE. The corrector
+            is then `M (y1 - y_pred + psi) = c f(y1, t + h)`, solved with `M - c J`.
     """
 
     ndf: bool = True
     linear_solver: LinearSolver = linear_solve.Dense(throw=False)
     order: int = 1
     name: str = "bdf"
+    mass_matrix: MassMatrix | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -186,6 +191,10 @@ class BDF(AbstractMethod):
 
     def initial_carry(self, y0, k0):
         dt = y0.dtype
+        if self.mass_matrix is not None:
+            # `k0 = f(y0)` is `M y'`: the differences want `y'` (the algebraic
+            # unknowns' slopes, not given by `f`, start at zero).
+            k0 = self.mass_matrix.pseudo_solve(k0)
         d = jnp.zeros((MAX_ORDER + 3,) + y0.shape, dt).at[0].set(y0).at[1].set(k0)
         one = jnp.ones((), dt)
         # Factors of the right shapes (of the identity), marked unusable by c = 0.
@@ -251,6 +260,7 @@ class BDF(AbstractMethod):
         # and the non-stiff components on average); if the iteration then fails, a
         # fresh factorisation is made and the iteration repeated.
         solver = self.linear_solver
+        mass = lambda v: apply_mass(self.mass_matrix, v)  # noqa: E731
         y_c, p_c, c_c = stat((y_pred, params, c))
 
         def fresh_state(anchor=None):
@@ -258,7 +268,7 @@ class BDF(AbstractMethod):
             # and two factorisations at once can deadlock on CPU (see `after`).
             y_a, c_a = after((y_c, c_c), anchor)
             jvp = jacobian_product(f, y_a, t1, p_c)
-            return stat(solver.init(lambda v: v - c_a * jvp(v), y))
+            return stat(solver.init(lambda v: mass(v) - c_a * jvp(v), y))
 
         eps = float(jnp.finfo(dt).eps)
         kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
@@ -268,7 +278,7 @@ class BDF(AbstractMethod):
             return jnp.sqrt(jnp.mean(jnp.square(jnp.abs(dz[:size]) / scale)))
 
         def residual(z):
-            return z - y_pred + psi - c * f(z, t1, params)
+            return mass(z - y_pred + psi) - c * f(z, t1, params)
 
         def newton(res, z0, solve_with):
             z, conv, _, iters = simplified_newton(

@@ -39,6 +39,7 @@ import numpy as np
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
+from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, StageTolerance, after, jacobian_product
 from ._newton import simplified_newton
 
@@ -115,11 +116,14 @@ class Radau5(AbstractMethod):
             from `implicitdiff.linear_solve`: `Dense` (LU, the default), `Banded` (its
             band widened for the coupled systems), or a Krylov method such as `GMRES`.
             Give it `throw=False` (a failed stage solve rejects the step).
+        mass_matrix: the constant `M` of a differential-algebraic system `M y' = f`
+            (`odeint(mass_matrix=...)` sets it), or `None` for an ODE.
     """
 
     order: int = 4
     name: str = "radau5"
     linear_solver: LinearSolver = linear_solve.Dense(throw=False)
+    mass_matrix: MassMatrix | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -166,14 +170,15 @@ class Radau5(AbstractMethod):
         jvp = jacobian_product(f, y_c, t, p_c)
         shift_real = _GAMMA * inv_h
         shift_re, shift_im = _ALPHA * inv_h, -_BETA * inv_h
+        mass = lambda v: apply_mass(self.mass_matrix, v)  # noqa: E731
 
         def real_matrix(v):
-            return shift_real * v - jvp(v)
+            return shift_real * mass(v) - jvp(v)
 
-        def pair_matrix(v):  # (shift_re + i shift_im - J) on (re, im) columns
-            re, im = v[:, 0], v[:, 1]
-            out_re = shift_re * re - shift_im * im - jvp(re)
-            out_im = shift_im * re + shift_re * im - jvp(im)
+        def pair_matrix(v):  # (shift_re + i shift_im) M - J on (re, im) columns
+            re, im = mass(v[:, 0]), mass(v[:, 1])
+            out_re = shift_re * re - shift_im * im - jvp(v[:, 0])
+            out_im = shift_im * re + shift_re * im - jvp(v[:, 1])
             return jnp.stack([out_re, out_im], axis=1)
 
         pair_solver = solver.coupled(2)
@@ -192,9 +197,10 @@ class Radau5(AbstractMethod):
 
         def correction(w):
             fw = _mix(T_INV, stage_fields(_mix(T, w)))
-            d_real = solver.solve(lu_real, fw[:, 0] - shift_real * w[:, 0])
-            rhs_re = fw[:, 1] - (shift_re * w[:, 1] - shift_im * w[:, 2])
-            rhs_im = fw[:, 2] - (shift_im * w[:, 1] + shift_re * w[:, 2])
+            mw = mass(w)
+            d_real = solver.solve(lu_real, fw[:, 0] - shift_real * mw[:, 0])
+            rhs_re = fw[:, 1] - (shift_re * mw[:, 1] - shift_im * mw[:, 2])
+            rhs_im = fw[:, 2] - (shift_im * mw[:, 1] + shift_re * mw[:, 2])
             d_pair = pair_solver.solve(lu_pair, jnp.stack([rhs_re, rhs_im], axis=1))
             return jnp.concatenate([d_real[:, None], d_pair], axis=1)
 
@@ -213,7 +219,7 @@ class Radau5(AbstractMethod):
             return _mix(T, w), conv
 
         def residual(z):
-            return z - h * _mix(A, stage_fields(z))
+            return mass(z) - h * _mix(A, stage_fields(z))
 
         z0 = jnp.zeros((n, 3), dt)
         z, ok = custom_root(residual, z0, newton, solver.coupled(3), has_aux=True)
@@ -228,7 +234,7 @@ class Radau5(AbstractMethod):
         tolerance (see the module)."""
         k1, z = k1_z
         solver = self.linear_solver
-        ze = _mix(E[None], z)[:, 0] * inv_h
+        ze = apply_mass(self.mass_matrix, _mix(E[None], z)[:, 0] * inv_h)
         err = solver.solve(lu_real, k1 + ze)
         size = y.shape[0] if tol.size is None else tol.size
         y1 = y + z[:, 2]
