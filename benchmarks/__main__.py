@@ -64,6 +64,11 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
         "work-precision plot)",
         {m: ["-m", "benchmarks.stiff", f"--{m}"] for m in ("quick", "full")},
     ),
+    "bvp": (
+        "boundary-value problems: solvers.solve_bvp vs SciPy's solve_bvp (solve, nodes, "
+        "error, implicit gradient, compile)",
+        {m: ["-m", "benchmarks.bvp", f"--{m}"] for m in ("quick", "full")},
+    ),
     "deq_memory": (
         "training-step memory and time: DEQ implicit vs unrolled (N iterations), "
         "NeuralODE vs diffrax (both adjoints)",

@@ -17,12 +17,16 @@
 - `odeint_event`: integrate until an event function crosses zero; the event time
   and state are differentiated through the implicit function theorem.
 - `steady_state`: integrate to equilibrium, differentiated implicitly.
+- `solve_bvp`: two-point boundary-value problems (collocation with residual control
+  and mesh refinement, called like `scipy.integrate.solve_bvp`); `BVPSolution`.
+  Derivatives by the implicit function theorem on the collocation equations.
 
 `solvers.nn` packages them as Equinox layers: `DEQ`, `NeuralODE`, `RootLayer`, `ArgminLayer`.
 """
 
 from . import ode
 from ._info import BAD_BRACKET, DT_UNDERFLOW, MAX_STEPS, NONFINITE, SUCCESS, SolveInfo
+from .bvp import BVPSolution, solve_bvp
 from .fixed_point import fixed_point
 from .minimize import minimize
 from .ode import (
@@ -46,6 +50,8 @@ __all__ = [
     "ODESolution",
     "odeint_event",
     "steady_state",
+    "solve_bvp",
+    "BVPSolution",
     "BacksolveAdjoint",
     "CheckpointAdjoint",
     "SolveInfo",
