@@ -39,6 +39,8 @@ from implicitdiff import custom_root, error_if, linear_solve
 from implicitdiff.internal import closure_convert
 
 from ._checks import static_int
+from .ode import odeint
+from .root import root
 
 __all__ = ["solve_bvp", "BVPSolution"]
 
@@ -116,6 +118,7 @@ def solve_bvp(
     tol: float = 1e-3,
     max_nodes: int = 1000,
     bc_tol: float | None = None,
+    method: str = "collocation",
     throw: bool = True,
 ) -> BVPSolution:
     """Solve `y' = fun(x, y, p)` on `[x[0], x[-1]]` with `bc(y(a), y(b), p) = 0`;
@@ -143,6 +146,13 @@ def solve_bvp(
             Newton step factors a dense matrix of `n max_nodes + k` unknowns, so
             keep it to what the problem needs.
         bc_tol: the tolerance on the boundary residuals (default `tol`).
+        method: `"collocation"` (the default, above), or `"shooting"` for small smooth
+            problems: the unknown initial values `y(a)` and `p` are found by Newton's
+            method (`solvers.root`) on `bc(y(a), y(b), p) = 0`, with `y(b)` from
+            `odeint` (Dopri5 at `1e-3 tol`), starting from `y[:, 0]` and `p` (the rest
+            of `y` is not used); the solution is reported at the nodes of `x`, which
+            are not refined (`max_nodes` is not used). Unstable problems
+            (growing modes across the interval) need collocation.
         throw: raise at run time when the solve fails (`status != 0`); with
             `throw=False` the status is in the result.
 
@@ -153,6 +163,8 @@ def solve_bvp(
         ```python
         import jax, jax.numpy as jnp
         from solvers import solve_bvp
+
+        jax.config.update("jax_enable_x64", True)
 
         # y'' = -lam y, y(0) = 0, y(1) = 0, y'(0) = 1: the eigenvalue lam = pi^2.
         def fun(x, y, p):
@@ -169,6 +181,8 @@ def solve_bvp(
     """
     name = "solve_bvp"
     max_nodes = static_int(name, "max_nodes", max_nodes, minimum=2)
+    if method not in ("collocation", "shooting"):
+        raise ValueError(f"solve_bvp: `method` must be 'collocation' or 'shooting', got {method!r}")
     if isinstance(x, jax.core.Tracer):
         if jnp.ndim(x) != 1 or jnp.shape(x)[0] < 2:
             raise ValueError(
@@ -183,6 +197,8 @@ def solve_bvp(
                 f"got shape {x_np.shape}"
             )
     m0 = x_np.shape[0]
+    if method == "shooting":
+        max_nodes = m0  # the solution is reported on the initial mesh
     if m0 > max_nodes:
         raise ValueError(
             f"solve_bvp: the initial mesh has {m0} nodes, more than max_nodes={max_nodes}"
@@ -255,11 +271,20 @@ def solve_bvp(
         )
 
     problem = _Problem(call_fun, call_bc, n, k, max_nodes)
+    if method == "shooting":
+        return _shooting(fun, bc, problem, consts, xs0, y, p, has_p, tol, bc_tol, throw)
     # The adaptive solve, with every input's derivative stopped (the mesh it chooses
     # is not differentiated; the solution's derivative is the implicit one below).
     stop = jax.lax.stop_gradient
     state = _adapt(problem, stop(consts), stop(x_buf), stop(y_buf), stop(p), m0, tol, bc_tol, eps)
     x_f, z_f = state["x"], state["z"]
+    # The mesh is a discrete choice and is not differentiated, but its ends are data:
+    # the final mesh moves with them affinely, so that derivatives with respect to the
+    # interval (`x = linspace(0, L, m)`) are those of the solution on the stretched
+    # mesh.
+    a, b = xs0[0], xs0[-1]
+    s_rel = (x_f - stop(a)) / stop(b - a)
+    x_f = x_f + (a - stop(a)) * (1 - s_rel) + (b - stop(b)) * s_rel
 
     # The implicit derivative: the collocation equations on the final mesh.
     z = custom_root(
@@ -352,6 +377,53 @@ class _Problem:
         return rms, self.bc(consts[1], y[:, 0], y[:, -1], p)
 
 
+def _shooting(fun, bc, problem, consts, x, y, p, has_p, tol, bc_tol, throw):
+    """Single shooting (see `solve_bvp`): Newton on the initial values and `p`."""
+    n, dtype = problem.n, y.dtype
+    eps = float(jnp.finfo(dtype).eps)
+    ode_tol = max(1e-3 * tol, 100 * eps)
+
+    def field(v, t, *pv):
+        return jnp.asarray(fun(t[None], v[:, None], *pv), dtype)[:, 0]
+
+    def shoot(u):
+        pv = (u[n:],) if has_p else ()
+        return odeint(field, u[:n], x, *pv, rtol=ode_tol, atol=ode_tol, mxstep=1e6)
+
+    def residual(u):
+        ys = shoot(u)
+        pv = (u[n:],) if has_p else ()
+        return jnp.asarray(bc(ys[0], ys[-1], *pv), dtype)
+
+    u0 = jax.lax.stop_gradient(jnp.concatenate([y[:, 0], p]))
+    u, info = root(residual, u0, throw=False, return_info=True)
+    y_out, p_out = shoot(u).T, u[n:]
+    bc_ok = jnp.max(jnp.abs(residual(u)), initial=0.0) <= bc_tol
+    status = jnp.where(info.converged, jnp.where(bc_ok, SUCCESS, BC_TOLERANCE), SINGULAR)
+    status = status.astype(jnp.int32)
+    if throw:
+        y_out, p_out = error_if(
+            (y_out, p_out),
+            status != SUCCESS,
+            "solve_bvp(method='shooting'): Newton's method on the initial values did not "
+            "converge or the boundary conditions are not met to `bc_tol` (status 2 or 3). "
+            "Start from a better guess, or use method='collocation' (unstable problems "
+            "need it); pass throw=False to get the status instead.",
+        )
+    m = x.shape[0]
+    rms, _ = problem.rms_residuals(consts, x, y_out, p_out, m)
+    return BVPSolution(
+        x=x,
+        y=y_out,
+        yp=problem.fun(consts[0], x, y_out, p_out),
+        p=p_out if has_p else None,
+        num_nodes=jnp.asarray(m, jnp.int32),
+        rms_residuals=rms,
+        niter=info.steps.astype(jnp.int32),
+        status=status,
+    )
+
+
 def _hermite(y, f, h, theta):
     """The cubic spline and its derivative at `x_i + theta h_i` on every interval."""
     t = theta
@@ -363,14 +435,15 @@ def _hermite(y, f, h, theta):
     return val, der
 
 
-def _newton(problem, consts, x, z, eps, tol, bc_tol):
+def _newton(problem, consts, x, z, m, eps, tol):
     """Newton's method with a backtracking line search on `|J^-1 r|^2`: `(z,
     converged, finite)`.
 
-    It stops once the residuals meet SciPy's criterion (collocation residuals below
-    `tol_r (1 + |f_mid|)`, `tol_r = h tol / 30`; boundary residuals below `bc_tol`)
-    and the next step is below `sqrt(eps)` relative to the unknowns, so that the
-    implicit derivative is taken at an accurate root."""
+    It stops once the collocation residuals of the `m - 1` live intervals meet
+    SciPy's criterion (below `tol_r (1 + |f_mid|)`, `tol_r = h tol / 30`) and the next
+    step is below `sqrt(eps)` relative to the unknowns (the boundary conditions are
+    then met to that accuracy too), so that the implicit derivative is taken at an
+    accurate root. It has converged only when both hold."""
     res = lambda z: problem.residual(consts, x, z)  # noqa: E731
     small = eps
 
@@ -378,9 +451,8 @@ def _newton(problem, consts, x, z, eps, tol, bc_tol):
         y, p = problem.split(z)
         col, _, f_mid = problem.collocation(consts, x, y, p)
         h = jnp.diff(x)
-        bc_res = problem.bc(consts[1], y[:, 0], y[:, -1], p)
-        col_ok = jnp.all(jnp.abs(col) <= h / 30 * tol * (1 + jnp.abs(f_mid)))
-        return col_ok & jnp.all(jnp.abs(bc_res) <= bc_tol)
+        live = jnp.arange(h.shape[0]) < m - 1
+        return jnp.all((jnp.abs(col) <= h / 30 * tol * (1 + jnp.abs(f_mid))) | ~live)
 
     def cond(c):
         return (c["it"] < NEWTON_ITERS) & ~c["done"]
@@ -410,8 +482,9 @@ def _newton(problem, consts, x, z, eps, tol, bc_tol):
         )
         finite = jnp.all(jnp.isfinite(z_new)) & jnp.isfinite(cost_new)
         z_new = jnp.where(finite, z_new, z)
-        ok = finite & accurate(z_new)
-        done = ~finite | (ok & (cost_new <= small * scale))
+        near = finite & accurate(z_new)
+        ok = near & (cost_new <= small * scale)
+        done = ~finite | ok
         return {"z": z_new, "it": c["it"] + 1, "done": done, "ok": ok, "finite": finite,
                 "cost": cost_new, "scale": scale}  # fmt: skip
 
@@ -470,9 +543,10 @@ def _adapt(problem, consts, x, y, p, m0, tol, bc_tol, eps):
 
     def body(s):
         x, m = s["x"], s["m"]
-        z, ok, finite = _newton(problem, consts, x, s["z"], eps, tol, bc_tol)
+        z, ok, finite = _newton(problem, consts, x, s["z"], m, eps, tol)
         y, p = problem.split(z)
         rms, bc_res = problem.rms_residuals(consts, x, y, p, m)
+        finite = finite & jnp.all(jnp.isfinite(rms))
         insert = jnp.where(rms > tol, jnp.where(rms >= 100 * tol, 2, 1), 0).astype(jnp.int32)
         added = jnp.sum(insert).astype(jnp.int32)
         too_many = m + added > N
@@ -485,6 +559,8 @@ def _adapt(problem, consts, x, y, p, m0, tol, bc_tol, eps):
             SINGULAR,
             jnp.where(
                 added > 0,
+                # (The cap on refinements, far above what max_nodes allows for a
+                # sensible problem, is reported as too many nodes.)
                 jnp.where(too_many | (iteration >= MAX_REFINEMENTS), MAX_NODES, -1),
                 jnp.where(~ok, SINGULAR, jnp.where(bc_ok, SUCCESS, BC_TOLERANCE)),
             ),

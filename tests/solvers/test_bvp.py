@@ -38,7 +38,9 @@ def test_bratu_matches_scipy(x64):
     xs = np.linspace(0, 1, 23)
     np.testing.assert_allclose(ours.sol(xs), ref.sol(xs), atol=1e-6)
     m = int(ours.num_nodes)
-    assert 5 <= m <= 200
+    same = scipy_solve_bvp(fun_np, lambda a, b: np.array([a[0], b[0]]), x, y0, tol=1e-6)
+    assert m == same.x.size  # the same algorithm refines the same way
+    np.testing.assert_allclose(ours.x[:m], same.x, rtol=1e-12)
     assert float(jnp.max(ours.rms_residuals)) <= 1e-6
     np.testing.assert_array_equal(ours.x[m:], 1.0)  # the buffer past the last node
 
@@ -168,3 +170,60 @@ def test_bad_input():
                   np.zeros((2, 5)), p=np.array([6.0]))  # fmt: skip
     with pytest.raises(ValueError, match="max_nodes"):
         solve_bvp(fun, bc, x, np.zeros((2, 5)), max_nodes=3)
+
+
+def test_shooting_matches_scipy_and_its_derivatives_the_closed_form(x64):
+    """Single shooting: Bratu against SciPy at the nodes, and the eigenvalue k(s) =
+    2 pi / sqrt(s) with its derivative, jvp and vmap."""
+    x = np.linspace(0, 1, 11)
+    fun, fun_np, bc = bratu(1.0)
+    ours = solve_bvp(fun, bc, x, np.zeros((2, 11)), tol=1e-6, method="shooting")
+    ref = scipy_solve_bvp(fun_np, lambda a, b: np.array([a[0], b[0]]), x, np.zeros((2, 11)),
+                          tol=1e-10)  # fmt: skip
+    assert int(ours.status) == 0 and int(ours.num_nodes) == 11
+    np.testing.assert_allclose(ours.y, ref.sol(x), atol=1e-8)
+
+    xe, ye = _eigen_guess()
+    ye[1, 0] = 6.0  # shooting starts from the guess at x[0] only: y'(0) = k, not 0
+
+    def k(s):
+        res = solve_bvp(eigen_fun(s), eigen_bc, xe, ye, p=jnp.array([6.0]), tol=1e-6,
+                        method="shooting")  # fmt: skip
+        return res.p[0]
+
+    exact = lambda s: 2 * jnp.pi / jnp.sqrt(s)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(k)(1.3), exact(1.3), rtol=1e-8)
+    np.testing.assert_allclose(jax.jit(jax.grad(k))(1.3), jax.grad(exact)(1.3), rtol=1e-7)
+    _, t = jax.jit(lambda s: jax.jvp(k, (s,), (1.0,)))(1.3)
+    np.testing.assert_allclose(t, jax.grad(exact)(1.3), rtol=1e-7)
+    ss = jnp.array([1.1, 1.4])
+    np.testing.assert_allclose(jax.jit(jax.vmap(k))(ss), exact(ss), rtol=1e-8)
+    with pytest.raises(ValueError, match="collocation' or 'shooting"):
+        solve_bvp(fun, bc, x, np.zeros((2, 11)), method="newton")
+
+
+def test_derivative_with_respect_to_the_interval(x64):
+    """y'' = a^2 y on [0, L], y(0) = u, y(L) = v: y'(0) = a (v - u cosh(a L)) / sinh(a L).
+    The mesh is traced (built from L inside jit); its ends carry L's derivative."""
+    a, u, v = 2.0, 0.5, -1.5
+
+    def slope(L):
+        fun = lambda x, y: jnp.stack([y[1], a**2 * y[0]])  # noqa: E731
+        bc = lambda ya, yb: jnp.stack([ya[0] - u, yb[0] - v])  # noqa: E731
+        x = jnp.linspace(0.0, L, 4)
+        return solve_bvp(fun, bc, x, jnp.zeros((2, 4)), tol=1e-6, max_nodes=150).y[1, 0]
+
+    exact = lambda L: a * (v - u * jnp.cosh(a * L)) / jnp.sinh(a * L)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(slope)(1.3), exact(1.3), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(slope))(1.3), jax.grad(exact)(1.3), rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(slope))(1.3), jax.grad(exact)(1.3), rtol=1e-5)
+
+
+def test_float32():
+    fun, fun_np, bc = bratu(1.0)
+    x = np.linspace(0, 1, 5, dtype=np.float32)
+    res = solve_bvp(fun, bc, x, np.zeros((2, 5), np.float32), tol=1e-3, max_nodes=100)
+    assert res.y.dtype == jnp.float32 and int(res.status) == 0
+    ref = scipy_solve_bvp(fun_np, lambda a, b: np.array([a[0], b[0]]), x, np.zeros((2, 5)),
+                          tol=1e-8)  # fmt: skip
+    np.testing.assert_allclose(res.sol(np.float32([0.3, 0.5])), ref.sol([0.3, 0.5]), atol=1e-3)
