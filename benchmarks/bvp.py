@@ -106,17 +106,19 @@ def problems() -> list[Problem]:
     return [_bratu(), _eigen(), _layer()]
 
 
+def _bind(prob: Problem, theta, xp):
+    """`(fun, bc)` at the parameter `theta` in SciPy's calling convention."""
+    fun = lambda x, y, *p: prob.fun(x, y, theta, xp, *p)  # noqa: E731
+    bc = lambda a, b, *p: prob.bc(a, b, theta, xp, *p)  # noqa: E731
+    return fun, bc
+
+
 def ours(prob: Problem):
     """`(solve(theta) -> (y on GRID, nodes), loss(theta))` for our solver."""
     has_p = prob.p0 is not None
 
     def run(theta):
-        if has_p:
-            fun = lambda x, y, p: prob.fun(x, y, theta, jnp, p)  # noqa: E731
-            bc = lambda a, b, p: prob.bc(a, b, theta, jnp, p)  # noqa: E731
-        else:
-            fun = lambda x, y: prob.fun(x, y, theta, jnp)  # noqa: E731
-            bc = lambda a, b: prob.bc(a, b, theta, jnp)  # noqa: E731
+        fun, bc = _bind(prob, theta, jnp)
         p0 = None if not has_p else jnp.asarray(prob.p0)
         return solve_bvp(fun, bc, prob.x0, prob.y0, p=p0, tol=TOL, max_nodes=prob.max_nodes)
 
@@ -132,13 +134,7 @@ def ours(prob: Problem):
 
 
 def scipy_solve(prob: Problem, theta: float, tol: float = TOL):
-    has_p = prob.p0 is not None
-    if has_p:
-        fun = lambda x, y, p: prob.fun(x, y, theta, np, p)  # noqa: E731
-        bc = lambda a, b, p: prob.bc(a, b, theta, np, p)  # noqa: E731
-    else:
-        fun = lambda x, y: prob.fun(x, y, theta, np)  # noqa: E731
-        bc = lambda a, b: prob.bc(a, b, theta, np)  # noqa: E731
+    fun, bc = _bind(prob, theta, np)
     res = scipy_bvp(fun, bc, prob.x0, prob.y0, p=prob.p0, tol=tol, max_nodes=10**5)
     if not res.success:
         raise RuntimeError(res.message)

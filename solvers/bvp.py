@@ -270,7 +270,7 @@ def solve_bvp(
             f"unknown parameters), got shape {out.shape}"
         )
 
-    problem = _Problem(call_fun, call_bc, n, k, max_nodes)
+    problem = _Problem(call_fun, call_bc, n, k)
     if method == "shooting":
         return _shooting(fun, bc, problem, consts, xs0, y, p, has_p, tol, bc_tol, throw)
     # The adaptive solve, with every input's derivative stopped (the mesh it chooses
@@ -319,8 +319,8 @@ def solve_bvp(
 class _Problem:
     """The collocation system on a buffer mesh: unknowns `z = [y.ravel(), p]`."""
 
-    def __init__(self, fun, bc, n, k, nodes):
-        self.fun, self.bc, self.n, self.k, self.nodes = fun, bc, n, k, nodes
+    def __init__(self, fun, bc, n, k):
+        self.fun, self.bc, self.n, self.k = fun, bc, n, k
 
     def linear_solver(self):
         """How systems with the Jacobian are solved: LU of the dense matrix (the
@@ -351,11 +351,16 @@ class _Problem:
         col = y[:, 1:] - y[:, :-1] - h / 6 * (f[:, :-1] + f[:, 1:] + 4 * f_mid)
         return col, f, f_mid
 
-    def residual(self, consts, x, z):
+    def evaluate(self, consts, x, z):
+        """`(residual, collocation residuals, f at the midpoints)` at `z`."""
         y, p = self.split(z)
-        col, _, _ = self.collocation(consts, x, y, p)
+        col, _, f_mid = self.collocation(consts, x, y, p)
         # The last buffer node equals the last active one (the padding ties them).
-        return jnp.concatenate([col.T.ravel(), self.bc(consts[1], y[:, 0], y[:, -1], p)])
+        r = jnp.concatenate([col.T.ravel(), self.bc(consts[1], y[:, 0], y[:, -1], p)])
+        return r, col, f_mid
+
+    def residual(self, consts, x, z):
+        return self.evaluate(consts, x, z)[0]
 
     def rms_residuals(self, consts, x, y, p, m):
         """Lobatto estimates of the RMS relative residual on each interval (zero on the
@@ -397,8 +402,10 @@ def _shooting(fun, bc, problem, consts, x, y, p, has_p, tol, bc_tol, throw):
 
     u0 = jax.lax.stop_gradient(jnp.concatenate([y[:, 0], p]))
     u, info = root(residual, u0, throw=False, return_info=True)
-    y_out, p_out = shoot(u).T, u[n:]
-    bc_ok = jnp.max(jnp.abs(residual(u)), initial=0.0) <= bc_tol
+    ys, p_out = shoot(u), u[n:]
+    y_out = ys.T
+    bc_res = bc(ys[0], ys[-1], *((p_out,) if has_p else ()))
+    bc_ok = jnp.max(jnp.abs(jnp.asarray(bc_res, dtype)), initial=0.0) <= bc_tol
     status = jnp.where(info.converged, jnp.where(bc_ok, SUCCESS, BC_TOLERANCE), SINGULAR)
     status = status.astype(jnp.int32)
     if throw:
@@ -446,57 +453,48 @@ def _newton(problem, consts, x, z, m, eps, tol):
     accurate root. It has converged only when both hold."""
     res = lambda z: problem.residual(consts, x, z)  # noqa: E731
     small = eps
+    h = jnp.diff(x)
+    live = jnp.arange(h.shape[0]) < m - 1
 
-    def accurate(z):
-        y, p = problem.split(z)
-        col, _, f_mid = problem.collocation(consts, x, y, p)
-        h = jnp.diff(x)
-        live = jnp.arange(h.shape[0]) < m - 1
+    def accurate(col, f_mid):
         return jnp.all((jnp.abs(col) <= h / 30 * tol * (1 + jnp.abs(f_mid))) | ~live)
 
     def cond(c):
         return (c["it"] < NEWTON_ITERS) & ~c["done"]
 
     def body(c):
-        z = c["z"]
-        r = res(z)
+        # `r` is the residual at `z`, carried from the line search that found `z`.
+        z, r = c["z"], c["r"]
         solve = problem.prepare(res, z)
         step = solve(r)
         cost = jnp.sum(step**2)
         scale = jnp.sum(1 + z**2)
 
-        def trial(t):
-            alpha, _, _, _ = t
+        def trial(alpha):
             z_new = z - alpha * step
-            s_new = solve(res(z_new))
-            return alpha, z_new, jnp.sum(s_new**2), s_new
+            r_new, col, f_mid = problem.evaluate(consts, x, z_new)
+            return alpha, z_new, jnp.sum(solve(r_new) ** 2), r_new, col, f_mid
 
         def more(t):
-            alpha, _, cost_new, _ = t
+            alpha, _, cost_new = t[:3]
             bad = ~(cost_new < (1 - 0.4 * alpha) * cost) & (cost > small**2 * scale)
             return bad & (alpha > 0.5**LINE_TRIALS)
 
-        first = trial((jnp.ones((), z.dtype), z, cost, step))
-        alpha, z_new, cost_new, _ = jax.lax.while_loop(
-            more, lambda t: trial((0.5 * t[0], *t[1:])), first
+        alpha, z_new, cost_new, r_new, col, f_mid = jax.lax.while_loop(
+            more, lambda t: trial(0.5 * t[0]), trial(jnp.ones((), z.dtype))
         )
         finite = jnp.all(jnp.isfinite(z_new)) & jnp.isfinite(cost_new)
-        z_new = jnp.where(finite, z_new, z)
-        near = finite & accurate(z_new)
-        ok = near & (cost_new <= small * scale)
-        done = ~finite | ok
-        return {"z": z_new, "it": c["it"] + 1, "done": done, "ok": ok, "finite": finite,
-                "cost": cost_new, "scale": scale}  # fmt: skip
+        ok = finite & accurate(col, f_mid) & (cost_new <= small * scale)
+        return {"z": jnp.where(finite, z_new, z), "r": jnp.where(finite, r_new, r),
+                "it": c["it"] + 1, "done": ~finite | ok, "ok": ok, "finite": finite}  # fmt: skip
 
-    dt = z.dtype
     c0 = {
         "z": z,
+        "r": res(z),
         "it": jnp.zeros((), jnp.int32),
         "done": jnp.zeros((), bool),
         "ok": jnp.zeros((), bool),
         "finite": jnp.ones((), bool),
-        "cost": jnp.asarray(jnp.inf, dt),
-        "scale": jnp.ones((), dt),
     }
     c = jax.lax.while_loop(cond, body, c0)
     return c["z"], c["ok"], c["finite"]
@@ -522,14 +520,10 @@ def _refine(problem, consts, x, y, p, m, insert):
         theta = jnp.where(insert == 1, 0.5, j / 3)
         want = live[:-1] & (insert >= j)
         where = jnp.where(want, pos[:-1] + j, N)
-        vals = _hermite_at(y, f, safe_h, theta)
+        vals = _hermite(y, f, safe_h, theta)[0]
         x_new = x_new.at[where].set(x[:-1] + theta * h, mode="drop")
         y_new = y_new.at[:, where].set(vals, mode="drop")
     return x_new, y_new, (m + jnp.sum(insert)).astype(m.dtype)
-
-
-def _hermite_at(y, f, h, theta):
-    return _hermite(y, f, h, theta)[0]
 
 
 def _adapt(problem, consts, x, y, p, m0, tol, bc_tol, eps):

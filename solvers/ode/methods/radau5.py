@@ -176,7 +176,8 @@ class Radau5(AbstractMethod):
             return shift_real * mass(v) - jvp(v)
 
         def pair_matrix(v):  # (shift_re + i shift_im) M - J on (re, im) columns
-            re, im = mass(v[:, 0]), mass(v[:, 1])
+            mv = mass(v)
+            re, im = mv[:, 0], mv[:, 1]
             out_re = shift_re * re - shift_im * im - jvp(v[:, 0])
             out_im = shift_im * re + shift_re * im - jvp(v[:, 1])
             return jnp.stack([out_re, out_im], axis=1)
