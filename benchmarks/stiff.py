@@ -56,6 +56,7 @@ from benchmarks._env import cpus, loadavg  # noqa: E402
 from benchmarks._timing import fmt, interleaved, ratio, sci  # noqa: E402
 from benchmarks._workers import write_report  # noqa: E402
 from solvers import odeint  # noqa: E402
+from solvers.ode.odeint import DENSE_STAGE_MAX_STATES  # noqa: E402
 from tests.solvers.stiff_problems import PROBLEMS, bruss, hires, orego, rober, vdpol  # noqa: E402
 
 NAME = "stiff"
@@ -525,12 +526,16 @@ def large_reference(prob: Large) -> np.ndarray:
     return scipy_large(prob, "Radau", 1e-10, 1e-12)()[0]
 
 
-def ours_large(prob: Large, method: str):
+def ours_large(prob: Large, method: str, default: bool = False):
+    """Ours with the problem's band or pattern given, or with `default`, the stage
+    solver `odeint` picks itself (above 1000 states: the pattern traced from `f`)."""
     from implicitdiff import linear_solve
 
     y0 = jnp.asarray(prob.y0)
     ts = jnp.array([0.0, prob.t1])
-    if prob.pattern is None:
+    if default:
+        solver = None
+    elif prob.pattern is None:
         solver = linear_solve.Banded(*prob.band, throw=False)
     else:
         solver = linear_solve.Sparse(prob.pattern, throw=False)
@@ -557,6 +562,9 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
     for m in OURS:
         name = f"ours ({m}, {prob.structure})"
         solves[name], losses[name] = ours_large(prob, m)
+    if prob.y0.size > DENSE_STAGE_MAX_STATES:
+        # No solver given: odeint traces the pattern from `f` and picks Sparse.
+        solves["ours (bdf, default)"], _ = ours_large(prob, "bdf", default=True)
     if prob.y0.size <= 256:  # a dense LU per step: beyond this diffrax takes minutes
         flat = Problem(prob.name, prob.f, tuple(prob.y0), prob.p, prob.t1, prob.rtol, prob.atol)
         solves["diffrax Kvaerno5"], losses["diffrax Kvaerno5"] = diffrax_kvaerno5(
@@ -683,7 +691,10 @@ def render(results, tols, mode: str, seconds: float, loads, large=()) -> str:
             "Radau with `jac_sparsity` (sparse finite-difference Jacobians, sparse LU), "
             "LSODA with its band options (a dense Jacobian on the 2-D grid, for which it "
             "has no sparse option); diffrax (dense LU) only where it finishes in seconds. "
-            "N x ROBER: identical copies.",
+            "N x ROBER: identical copies. `ours (bdf, default)` (above "
+            f"{DENSE_STAGE_MAX_STATES} states) is given no `linear_solver`: `odeint` traces "
+            "the Jacobian's pattern from the operations of `f` and solves with `Sparse` on "
+            "it.",
             "",
         ]
     for prob, rows in large:

@@ -308,6 +308,20 @@ def eval_closed_jaxpr(closed: Any, args: Sequence[Any]) -> list[Any]:
     return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
+def jaxpr_parts(jaxpr: Any) -> tuple[list[Any], list[Any], list[Any], list[Any], Callable]:
+    """`(invars, constvars, eqns, outvars, is_literal)` of an (open) jaxpr, for code that
+    reads a traced function's equations (`eqn.primitive.name`, `eqn.params`,
+    `eqn.invars`, `eqn.outvars`); `is_literal(v)` tells an inline constant (with its
+    value in `v.val`) from a variable."""
+    return (
+        list(jaxpr.invars),
+        list(jaxpr.constvars),
+        list(jaxpr.eqns),
+        list(jaxpr.outvars),
+        lambda v: isinstance(v, _core.Literal),
+    )
+
+
 def carries_tangent(x: Any) -> bool:
     """Whether `x` is, or wraps (e.g. a vmap tracer around), a differentiation tracer."""
     if not isinstance(x, _core.Tracer):

@@ -39,7 +39,8 @@ Which solver to use:
 | Banded (locally coupled: semi-discretised PDEs, chains)          | `Banded(lower, upper)` (band  |
 |                                                                  | LU from a few matvecs)        |
 | Sparse with a known pattern (reaction networks, 2-D grids,       | `Sparse(pattern)` (colouring, |
-| block-diagonal in any order); `sparsity_pattern` finds it        | reordering, band LU)          |
+| block-diagonal in any order); `sparsity_pattern` finds it (by    | reordering, band LU)          |
+| evaluation, or traced from the operations of a function)         |                               |
 | Unsure                                                           | `Auto` (dense / cg / gmres)   |
 | Large, symmetric positive definite (convex Hessians, J^T J + cI) | `CG`                          |
 | Large, non-symmetric                                             | `GMRES`, or `BiCGStab`        |

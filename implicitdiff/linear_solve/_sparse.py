@@ -19,6 +19,7 @@ from jax.flatten_util import ravel_pytree
 from ._banded import BandLU
 from ._base import PyTree
 from ._checks import as_arrays, check_throw
+from ._structure import DensePattern, traced_pattern
 
 __all__ = ["Sparse", "SparsityPattern", "sparsity_pattern"]
 
@@ -340,13 +341,32 @@ class Sparse(BandLU):
 
 
 def sparsity_pattern(
-    fn: Any, x: PyTree, *, probes: int = 2, seed: int = 0, chunk: int = 256
+    fn: Any,
+    x: PyTree,
+    *,
+    method: str = "probe",
+    probes: int = 2,
+    seed: int = 0,
+    chunk: int = 256,
 ) -> SparsityPattern:
-    """The pattern of the nonzero entries of the Jacobian of `fn` at points near `x`.
+    """The pattern of the nonzero entries of the Jacobian of `fn` near `x`.
 
-    Evaluates the Jacobian, `chunk` columns at a time by forward mode, at `probes`
-    random points near `x` and returns the union of their nonzero entries (with the
-    diagonal, as `SparsityPattern` always has it). Each component of a probe is
+    With `method="trace"`, the pattern is read from the operations of `fn` (traced at
+    the shapes of `x`, never evaluated): an entry is in it when some chain of
+    operations carries input `j` to output `i`, so it holds every entry that can be
+    nonzero at any point. It is exact for stencils (slices, rolls, padding, stacking,
+    reshapes, products with constant sparse matrices) and a superset where `fn`
+    combines values it cannot follow apart: loops (`while_loop`, `scan`), sorts,
+    cumulative sums, linear algebra and indexing by traced indices make each of their
+    outputs depend on everything their inputs do. It works on traced values (inside
+    `jax.jit` or `jax.vmap`), and raises `ValueError` when the pattern is dense (more
+    than a quarter of the entries of a matrix of over 256 unknowns: no sparse
+    structure to use).
+
+    With `method="probe"` (the default), it evaluates the Jacobian, `chunk` columns at
+    a time by forward mode, at `probes` random points near `x` and returns the union
+    of their nonzero entries (with the diagonal, as `SparsityPattern` always has it).
+    Each component of a probe is
     `x_i + 0.1 z |x_i| + 1e-3 z' max|x|` (`z`, `z'` standard normal): a relative change
     of a few percent, which keeps small positive states positive, and a small
     absolute one, which moves components that are exactly zero (at a zero state a
@@ -359,7 +379,10 @@ def sparsity_pattern(
     Arguments:
         fn: a function from pytrees shaped like `x` to pytrees of the same total size
             `n` (for an ODE, `lambda y: func(y, t0, *args)`).
-        x: a point (a pytree of arrays).
+        x: a point (a pytree of arrays; with `method="trace"` only its shapes and
+            dtypes are used).
+        method: `"probe"` (evaluate the Jacobian at points near `x`) or `"trace"`
+            (read the pattern from the operations of `fn`).
         probes: the number of random points.
         seed: the seed of the perturbations.
         chunk: the number of columns evaluated together.
@@ -378,6 +401,12 @@ def sparsity_pattern(
         print(pattern.nnz)  # 8: (i, i) and (i, i - 1 mod 4)
         ```
     """
+    if method == "trace":
+        return _traced(fn, x)
+    if method != "probe":
+        raise ValueError(
+            f"linear_solve.sparsity_pattern: `method` must be 'probe' or 'trace', got {method!r}"
+        )
     flat, unravel = ravel_pytree(as_arrays(x))
     n = flat.size
 
@@ -419,6 +448,32 @@ def sparsity_pattern(
         )
     key = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
     return SparsityPattern((key // n, key % n), n)
+
+
+#: The largest fraction of the entries a traced pattern of more than `_DENSE_MIN`
+#: unknowns may hold: beyond it, the matrix is taken as dense (no structure worth a
+#: sparse solver).
+_DENSE_FILL = 0.25
+_DENSE_MIN = 256
+
+
+def _traced(fn: Any, x: PyTree) -> SparsityPattern:
+    n = ravel_pytree(x)[0].size
+    try:
+        rows, cols, n = traced_pattern(fn, x)
+    except ValueError as e:
+        raise ValueError(f"linear_solve.sparsity_pattern: {e}: the pattern of a linear "
+                         "solver's matrix is square") from None  # fmt: skip
+    except DensePattern:
+        rows = None
+    if rows is None or (n > _DENSE_MIN and rows.size > _DENSE_FILL * n * n):
+        raise ValueError(
+            f"linear_solve.sparsity_pattern: the Jacobian of `fn` is dense as traced "
+            f"({n} unknowns, most outputs reached from most inputs): no sparse structure "
+            "to use. Use Dense or GMRES, or method='probe' if most of those couplings "
+            "vanish at every point."
+        )
+    return SparsityPattern((rows, cols), n)
 
 
 _OUTSIDE_PATTERN = (

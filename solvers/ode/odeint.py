@@ -20,7 +20,13 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import error_if
 from implicitdiff.internal import closure_convert
-from implicitdiff.linear_solve import Dense, LinearSolver
+from implicitdiff.linear_solve import (
+    Dense,
+    LinearSolver,
+    Sparse,
+    SparsityPattern,
+    sparsity_pattern,
+)
 from implicitdiff.linear_solve import resolve as resolve_linear_solver
 
 from .._checks import not_in_checked_shard_map, static_bool, static_int, status_returned
@@ -144,8 +150,11 @@ def odeint(
             band LU after reordering), or `"gmres"`/`"bicgstab"` (matrix-free, for
             very large systems). Build it with `throw=False`, as the default is: a
             singular stage matrix then rejects the step instead of raising. The
-            default is dense at every size and warns above `DENSE_STAGE_MAX_STATES`
-            (1000) states, where a structured solver is much faster.
+            default is `Dense` up to `DENSE_STAGE_MAX_STATES` (1000) states; above,
+            `Sparse` on the pattern of the Jacobian traced from the operations of
+            `func` (`linear_solve.sparsity_pattern(..., method="trace")`, with the
+            mass matrix's entries), or `Dense` with a warning when that pattern has
+            no narrow band after reordering.
         mass_matrix: the constant matrix `M` of a differential-algebraic system `M
             y' = func(y, t, *args)`, `(n, n)` or its diagonal `(n,)` on the flattened
             state (as `jac`), a concrete array. A singular `M` makes algebraic
@@ -243,7 +252,8 @@ def odeint(
             )
     y_flat, unravel = ravel_pytree(y0)
     m = _with_mass_matrix(m, mass_matrix, y_flat.size, adjoint, dense)
-    _warn_if_dense_is_large(m, linear_solver, y_flat.size)
+    if linear_solver is None and not isinstance(adjoint, BacksolveAdjoint):
+        m = _default_stage_solver(m, lambda v: func(unravel(v), t[0], *args), y_flat)
     tdt = jnp.finfo(y_flat.dtype).dtype
     t = _check_times(t, tdt)
     if dense and t.shape[0] != 2:
@@ -340,28 +350,54 @@ def _check_jac(out: Any, y_flat: Any) -> None:
         )
 
 
-#: Above this many states, an implicit method left on its dense stage solves warns.
+#: Above this many states, an implicit method left to its default stage solver solves
+#: with the sparsity pattern traced from `func` (`linear_solve.Sparse`), or warns when
+#: there is none to use.
 DENSE_STAGE_MAX_STATES = 1000
+#: The default sparse stage solver is used when the reordered band holds at most this
+#: fraction of the unknowns (a wider band factors about as slowly as a dense matrix).
+SPARSE_STAGE_MAX_BAND = 1 / 8
 
 
-def _warn_if_dense_is_large(method: AbstractMethod, linear_solver: Any, n: int) -> None:
-    """The default stage solve is dense: an `n x n` matrix from `n` products and an
-    `O(n^3)` factorisation per refresh. Past `DENSE_STAGE_MAX_STATES` that dominates
-    everything else, and a structured solver is what the user wants."""
-    if linear_solver is not None or n <= DENSE_STAGE_MAX_STATES:
-        return
-    if not isinstance(getattr(method, "linear_solver", None), Dense):
-        return
+def _default_stage_solver(method: AbstractMethod, field: Callable, y: jax.Array) -> AbstractMethod:
+    """The stage solver of an implicit method left to its default: dense up to
+    `DENSE_STAGE_MAX_STATES` states. Above, an `n x n` matrix from `n` products and an
+    `O(n^3)` factorisation per refresh dominate everything else, so the pattern of the
+    Jacobian is traced from the operations of `field` (and joined with the mass
+    matrix's entries) and, if its reordered band is narrow, the stages are solved by
+    `Sparse` on it; otherwise the dense solve stays, with a warning."""
+    n = y.size
+    if n <= DENSE_STAGE_MAX_STATES or not isinstance(getattr(method, "linear_solver", None), Dense):
+        return method
+    why = None
+    try:
+        pattern = sparsity_pattern(field, y, method="trace")
+    except ValueError as e:
+        why = str(e)
+    except Exception as e:  # noqa: BLE001 - a field the tracer cannot follow
+        why = f"tracing the pattern of its Jacobian failed ({type(e).__name__}: {e})"
+    if why is None:
+        mass = getattr(method, "mass_matrix", None)
+        if mass is not None:
+            m_rows, m_cols = mass.nonzeros()
+            rows = np.concatenate([pattern.rows, m_rows])
+            pattern = SparsityPattern((rows, np.concatenate([pattern.cols, m_cols])), n)
+        width = pattern.lower + pattern.upper + 1
+        if width <= SPARSE_STAGE_MAX_BAND * n:
+            return dataclasses.replace(method, linear_solver=Sparse(pattern, throw=False))
+        why = f"the band of its Jacobian's pattern is {width} wide after reordering"
     warnings.warn(
         f"odeint: method={method.name!r} with {n} states builds and factors a dense "
-        f"{n} x {n} stage matrix (O(n^3) work per factorisation). For a large system "
-        "pass a structured solver: "
+        f"{n} x {n} stage matrix (O(n^3) work per factorisation); the default sparse "
+        f"solve does not apply: {why}. "
+        "For a large system pass a structured solver: "
         "linear_solver=linear_solve.Banded(lower, upper, throw=False) for a band, "
-        "linear_solve.Sparse(linear_solve.sparsity_pattern(lambda y: func(y, t0, *args), "
-        "y0), throw=False) for any sparse Jacobian, or 'gmres' (matrix-free); or pass "
-        "linear_solver=linear_solve.Dense(throw=False) to keep the dense solve silently.",
+        "linear_solve.Sparse(pattern, throw=False) for a sparse Jacobian, or 'gmres' "
+        "(matrix-free); or pass linear_solver=linear_solve.Dense(throw=False) to keep "
+        "the dense solve silently.",
         stacklevel=3,
     )
+    return method
 
 
 def _with_linear_solver(method: AbstractMethod, linear_solver: Any) -> AbstractMethod:

@@ -5,6 +5,8 @@ The derivatives are checked against central differences of SciPy's Radau at rtol
 same steps.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,25 +222,92 @@ def test_sparse_stage_solves_on_copies_stored_field_by_field(x64, method):
     np.testing.assert_allclose(g(sparse), g(None), rtol=1e-8)
 
 
-def test_a_large_system_on_the_dense_default_warns():
-    """Past `DENSE_STAGE_MAX_STATES` states the dense default warns and names the
-    structured solvers; an explicit solver, or an explicit method, does not."""
+def _line(y):
+    # Two fields per point of a line, stored point by point: a band of 2 each side.
+    u, v = y[0::2], y[1::2]
+    lap = lambda w: jnp.concatenate([w[1:2], w[2:] + w[:-2], w[-2:-1]]) - 2 * w  # noqa: E731
+    du = 1 + u * u * v - 4.4 * u + 0.5 * lap(u)
+    dv = 3.4 * u - u * u * v + 0.5 * lap(v)
+    return jnp.stack([du, dv], axis=1).reshape(-1)
+
+
+def test_default_stage_solver_by_size(x64):
+    """Up to `DENSE_STAGE_MAX_STATES` states the default stays dense; above, it is
+    `Sparse` on the pattern traced from `func` (with a mass matrix's entries)."""
+    from solvers.ode.mass import MassMatrix
+    from solvers.ode.methods import resolve_method
+    from solvers.ode.odeint import DENSE_STAGE_MAX_STATES, _default_stage_solver
+
+    n = DENSE_STAGE_MAX_STATES + 2
+    bdf = resolve_method("odeint", "bdf")
+    small = _default_stage_solver(bdf, _line, jnp.ones(n - 2))
+    assert isinstance(small.linear_solver, linear_solve.Dense)
+    chosen = _default_stage_solver(bdf, _line, jnp.ones(n)).linear_solver
+    assert isinstance(chosen, linear_solve.Sparse) and not chosen.throw
+    assert chosen.pattern == linear_solve.sparsity_pattern(_line, jnp.ones(n), method="probe")
+    assert (chosen.pattern.lower, chosen.pattern.upper) == (2, 2)
+    # A full mass matrix's entries join the pattern.
+    mass = np.eye(n)
+    mass[0, n - 1] = 1.0
+    with_mass = dataclasses.replace(bdf, mass_matrix=MassMatrix(mass, n))
+    pattern = _default_stage_solver(with_mass, _line, jnp.ones(n)).linear_solver.pattern
+    assert (0, n - 1) in set(zip(pattern.rows.tolist(), pattern.cols.tolist()))
+
+
+def test_default_stage_solver_on_a_large_system(x64):
+    """A 1040-state reaction-diffusion line with the default stage solver: no warning,
+    the same solution and gradient as the explicit band, every method that takes one."""
+    import warnings
+
+    n = 1040
+    x = jnp.arange(n // 2) / (n // 2)
+    y0 = jnp.stack([1 + jnp.sin(2 * jnp.pi * x), jnp.full(n // 2, 3.0)], axis=1).reshape(-1)
+    ts = jnp.array([0.0, 0.5])
+    band = linear_solve.Banded(2, 2, throw=False)
+
+    def run(scale, solver, method):
+        f = lambda y, t, s: s * _line(y)  # noqa: E731
+        return odeint(f, y0, ts, scale, method=method, rtol=1e-6, atol=1e-8, linear_solver=solver)
+
+    for method in ("bdf", "rodas5p"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            auto = jax.jit(run, static_argnums=(1, 2))(1.0, None, method)
+        np.testing.assert_allclose(auto, run(1.0, band, method), rtol=1e-12, atol=1e-12)
+    loss = lambda s, solver: jnp.sum(run(s, solver, "bdf")[-1] ** 2)  # noqa: E731
+    np.testing.assert_allclose(jax.grad(loss)(1.0, None), jax.grad(loss)(1.0, band), rtol=1e-10)
+
+
+def test_a_large_system_without_sparse_structure_warns():
+    """Past `DENSE_STAGE_MAX_STATES` states, a Jacobian with no narrow band after
+    reordering keeps the dense default and warns, naming the structured solvers; an
+    explicit solver, or an explicit method, does not."""
     import warnings
 
     from solvers.ode.odeint import DENSE_STAGE_MAX_STATES
 
-    f = lambda y, t: -y  # noqa: E731
     ts = jnp.array([0.0, 1.0])
-    big = jnp.ones(DENSE_STAGE_MAX_STATES + 1)
-    with pytest.warns(UserWarning, match=r"dense 1001 x 1001 stage matrix.*Sparse"):
-        jax.eval_shape(lambda y: odeint(f, y, ts, method="bdf"), big)
+    n = DENSE_STAGE_MAX_STATES + 1
+    big = jnp.ones(n)
+    mean_field = lambda y, t: -y + jnp.mean(y)  # noqa: E731
+    with pytest.warns(
+        UserWarning, match=r"dense 1001 x 1001 stage matrix.*dense as traced.*Sparse"
+    ):
+        jax.eval_shape(lambda y: odeint(mean_field, y, ts, method="bdf"), big)
+    # Each state coupled to two others at random (a random graph, an expander): sparse,
+    # but no narrow band in any order.
+    far = [np.random.default_rng(s).permutation(n) for s in (0, 1)]
+    scattered = lambda y, t: -y + 0.1 * (y[far[0]] + y[far[1]])  # noqa: E731
+    with pytest.warns(UserWarning, match=r"wide after reordering"):
+        jax.eval_shape(lambda y: odeint(scattered, y, ts, method="rodas5p"), big)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jax.eval_shape(lambda y: odeint(f, y, ts, method="rodas5p"), big[:-1])
+        jax.eval_shape(lambda y: odeint(mean_field, y, ts, method="rodas5p"), big[:-1])
         jax.eval_shape(
-            lambda y: odeint(f, y, ts, method="bdf", linear_solver=linear_solve.Dense()), big
+            lambda y: odeint(mean_field, y, ts, method="bdf", linear_solver=linear_solve.Dense()),
+            big,
         )
-        jax.eval_shape(lambda y: odeint(f, y, ts, method="dopri5"), big)
+        jax.eval_shape(lambda y: odeint(mean_field, y, ts, method="dopri5"), big)
 
 
 def test_bad_jac_and_linear_solver_arguments(x64):

@@ -1,0 +1,503 @@
+"""The sparsity pattern of a Jacobian read from the operations of a function.
+
+`traced_pattern(fn, x)` traces `fn` to a jaxpr (shapes only: it works on tracers, under
+`jax.jit` and `jax.vmap`) and follows, equation by equation, which entries of `x` each
+element of each intermediate value can depend on. The result is a superset of the
+nonzero entries of the Jacobian at every point, never a sample of one point: an entry
+is left out only when no chain of operations links the output to the input.
+
+Each floating-point value holds its dependencies as a list of pairs `(element, input)`
+(`_Deps`). The rules, by kind of operation:
+
+- elementwise arithmetic: the union of the operands' dependencies (a scalar operand
+  reaches every element);
+- operations with a zero derivative (comparisons, integer and boolean results,
+  `floor`, `sign`, `stop_gradient`, ...): no dependency;
+- data movement (`reshape`, `slice`, `concatenate`, `pad`, `transpose`, ...): each
+  element takes the dependencies of the element it is copied from, found by applying
+  the operation to the elements' positions; `gather`, `dynamic_slice` and the like do
+  the same when their indices are constants of the trace;
+- reductions and `dot_general`: the union over the elements combined (with a constant
+  operand of `dot_general`, only its nonzero entries couple);
+- `cumsum`, `sort` and the like: the union along the axis;
+- nested jaxprs (`jit`, `custom_jvp`, `custom_vjp`, `checkpoint`, `cond`): followed
+  inside;
+- anything else (loops, linear algebra, unknown operations): every output element
+  depends on everything any operand depends on.
+
+Values computed from constants alone are evaluated (so an index array built from a
+NumPy constant is known). A pattern that would hold more than `_MAX_ENTRIES` pairs in
+one value stops the trace as dense (`DensePattern`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from .._jax_compat import Tracer, jaxpr_parts
+
+__all__ = ["DensePattern", "traced_pattern"]
+
+#: The most `(element, input)` pairs one value may hold before the trace gives up as
+#: dense.
+_MAX_ENTRIES = 20_000_000
+#: The largest constant (in elements) the trace evaluates.
+_MAX_KNOWN = 1 << 22
+
+
+class DensePattern(Exception):
+    """The traced pattern is (about) dense: no structure worth a sparse solver."""
+
+
+class _Deps:
+    """For a value of `size` elements: `rows[k]` depends on input `cols[k]`, sorted by
+    row then column, no pair twice."""
+
+    __slots__ = ("size", "rows", "cols", "_indptr")
+
+    def __init__(self, size: int, rows: np.ndarray, cols: np.ndarray, *, clean: bool = False):
+        if rows.size > _MAX_ENTRIES:
+            raise DensePattern
+        if not clean and rows.size:
+            radix = int(cols.max()) + 1
+            key = np.unique(rows.astype(np.int64) * radix + cols)
+            rows, cols = key // radix, key % radix
+        self.size = size
+        self.rows = rows.astype(np.int64, copy=False)
+        self.cols = cols.astype(np.int64, copy=False)
+        self._indptr = None
+
+    @classmethod
+    def empty(cls, size: int) -> _Deps:
+        z = np.zeros(0, np.int64)
+        return cls(size, z, z, clean=True)
+
+    @property
+    def indptr(self) -> np.ndarray:
+        if self._indptr is None:
+            counts = np.bincount(self.rows, minlength=self.size)
+            self._indptr = np.concatenate([[0], np.cumsum(counts)])
+        return self._indptr
+
+    def take(self, src: np.ndarray) -> _Deps:
+        """Element `o` takes the dependencies of element `src[o]` (none where
+        `src[o] < 0`)."""
+        src = np.asarray(src, np.int64).ravel()
+        out = np.nonzero(src >= 0)[0]
+        s = src[out]
+        starts, ends = self.indptr[s], self.indptr[s + 1]
+        lens = ends - starts
+        total = int(lens.sum())
+        if total > _MAX_ENTRIES:
+            raise DensePattern
+        rows = np.repeat(out, lens)
+        offsets = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        cols = self.cols[np.repeat(starts, lens) + offsets]
+        return _Deps(src.size, rows, cols, clean=True)
+
+    def to(self, target: np.ndarray, size: int) -> _Deps:
+        """Element `e` of this value feeds element `target[e]` of one of `size`."""
+        target = np.asarray(target, np.int64).ravel()
+        return _Deps(size, target[self.rows], self.cols)
+
+    def spread(self, size: int) -> _Deps:
+        """Every one of `size` elements depends on everything this value does."""
+        cols = np.unique(self.cols)
+        if size * cols.size > _MAX_ENTRIES:
+            raise DensePattern
+        return _Deps(size, np.repeat(np.arange(size), cols.size), np.tile(cols, size), clean=True)
+
+
+def _union(size: int, deps: Sequence[_Deps]) -> _Deps:
+    deps = [d for d in deps if d.rows.size]
+    if not deps:
+        return _Deps.empty(size)
+    if len(deps) == 1:
+        return deps[0]
+    return _Deps(
+        size, np.concatenate([d.rows for d in deps]), np.concatenate([d.cols for d in deps])
+    )
+
+
+def _positions(shape: Sequence[int]) -> np.ndarray:
+    return np.arange(math.prod(shape), dtype=np.int64).reshape(tuple(shape))
+
+
+def _is_float(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+# Elementwise: the union of the operands.
+_ELEMENTWISE = frozenset(
+    """
+    add sub mul div rem pow max min neg exp exp2 log log1p expm1 tanh logistic sin cos
+    tan asin acos atan sinh cosh asinh acosh atanh atan2 sqrt rsqrt cbrt abs
+    integer_pow square erf erfc erf_inv lgamma digamma igamma igammac igamma_grad_a
+    random_gamma_grad bessel_i0e bessel_i1e polygamma zeta regularized_incomplete_beta
+    select_n clamp copy copy_p real imag conj complex convert_element_type
+    reduce_precision add_any mul_add
+    """.split()
+)
+# Zero derivative whatever the output type.
+_ZERO = frozenset("sign floor ceil round is_finite stop_gradient nextafter".split())
+# Reductions over `axes`.
+_REDUCE = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
+# The union along `axis` (each output element may depend on the whole line).
+_ALONG_AXIS = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+# Calls of one nested jaxpr with the same operands.
+_CALLS = frozenset(
+    """
+    jit pjit closed_call core_call checkpoint remat custom_jvp_call custom_vjp_call
+    custom_vjp_call_jaxpr
+    """.split()
+)
+
+
+def _move(name: str, params: dict, arrays: list[np.ndarray]) -> np.ndarray | None:
+    """The NumPy form of a data movement on position arrays (`-1`: no source), or
+    None when `name` is not one of these."""
+    x = arrays[0] if arrays else None
+    if name in ("reshape",):
+        return np.reshape(x, params["new_sizes"])
+    if name == "transpose":
+        return np.transpose(x, params["permutation"])
+    if name == "broadcast_in_dim":
+        shape, dims = params["shape"], params["broadcast_dimensions"]
+        expanded = np.reshape(
+            x, [x.shape[dims.index(d)] if d in dims else 1 for d in range(len(shape))]
+        )
+        return np.broadcast_to(expanded, shape)
+    if name == "squeeze":
+        return np.reshape(x, [s for d, s in enumerate(x.shape) if d not in params["dimensions"]])
+    if name == "expand_dims":
+        return np.expand_dims(x, params["dimensions"])
+    if name == "slice":
+        strides = params["strides"] or (1,) * x.ndim
+        return x[
+            tuple(
+                slice(a, b, s)
+                for a, b, s in zip(params["start_indices"], params["limit_indices"], strides)
+            )
+        ]
+    if name == "rev":
+        return np.flip(x, params["dimensions"])
+    if name == "concatenate":
+        return np.concatenate(arrays, axis=params["dimension"])
+    if name == "stack":
+        return np.stack(arrays, axis=params["axis"])
+    if name == "pad":
+        for axis, (lo, hi, interior) in enumerate(params["padding_config"]):
+            lo, hi, interior = int(lo), int(hi), int(interior)
+            if interior:
+                size = x.shape[axis]
+                shape = list(x.shape)
+                shape[axis] = size + (size - 1) * interior if size else 0
+                spaced = np.full(shape, -1, np.int64)
+                index = [slice(None)] * x.ndim
+                index[axis] = slice(None, None, interior + 1)
+                spaced[tuple(index)] = x
+                x = spaced
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (max(lo, 0), max(hi, 0))
+            x = np.pad(x, widths, constant_values=-1)
+            index = [slice(None)] * x.ndim
+            index[axis] = slice(max(-lo, 0), x.shape[axis] - max(-hi, 0))
+            x = x[tuple(index)]
+        return x
+    return None
+
+
+# Data movements: the number of leading operands moved (None: all of them); the other
+# operands (pad's value, indices, start positions) must be known constants, except pad's.
+_MOVES = {
+    **dict.fromkeys(
+        "reshape transpose broadcast_in_dim squeeze expand_dims slice rev pad "
+        "dynamic_slice gather".split(),
+        1,
+    ),
+    "dynamic_update_slice": 2,
+    "concatenate": None,
+    "stack": None,
+}
+
+
+class _Tracer:
+    """Walks one jaxpr: `deps` of the floating-point values, `known` values of those
+    computed from constants."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def run(self, jaxpr, consts: Sequence[Any], in_deps: Sequence[_Deps | None],
+            in_known: Sequence[Any]) -> tuple[list[_Deps | None], list[Any]]:  # fmt: skip
+        invars, constvars, eqns, outvars, is_literal = jaxpr_parts(jaxpr)
+        deps: dict[Any, _Deps | None] = {}
+        known: dict[Any, Any] = {}
+        for v, c in zip(constvars, consts, strict=True):
+            deps[v] = None
+            if not isinstance(c, Tracer):  # a value closed over from an outer trace
+                known[v] = np.asarray(c)
+        for v, d, k in zip(invars, in_deps, in_known, strict=True):
+            deps[v] = d
+            if k is not None:
+                known[v] = k
+
+        def read(v):
+            if is_literal(v):
+                return None, np.asarray(v.val)
+            return deps.get(v), known.get(v)
+
+        for eqn in eqns:
+            ins = [read(v) for v in eqn.invars]
+            in_deps_ = [d for d, _ in ins]
+            in_vals = [k for _, k in ins]
+            out_avals = [v.aval for v in eqn.outvars]
+            outs_known = self._evaluate(eqn, in_deps_, in_vals, out_avals)
+            if outs_known is not None:
+                for v, val in zip(eqn.outvars, outs_known, strict=True):
+                    deps[v], known[v] = None, val
+                continue
+            outs = self._rule(eqn, in_deps_, in_vals, [v.aval for v in eqn.invars], out_avals)
+            for v, d, aval in zip(eqn.outvars, outs, out_avals, strict=True):
+                deps[v] = d if _is_float(aval) else None
+        return [read(v)[0] for v in outvars], [read(v)[1] for v in outvars]
+
+    def _evaluate(self, eqn, in_deps, in_vals, out_avals):
+        """The outputs' values when every input is a known constant (and small)."""
+        if any(d is not None for d in in_deps) or any(v is None for v in in_vals):
+            return None
+        if sum(math.prod(a.shape) for a in out_avals) > _MAX_KNOWN:
+            return None
+        if eqn.effects or any(not hasattr(a, "shape") for a in out_avals):
+            return None
+        try:
+            with jax.ensure_compile_time_eval():
+                out = eqn.primitive.bind(*in_vals, **eqn.params)
+        except Exception:  # noqa: BLE001 - an operation that cannot run eagerly
+            return None
+        out = out if eqn.primitive.multiple_results else [out]
+        return [np.asarray(o) for o in out]
+
+    def _rule(self, eqn, in_deps, in_vals, in_avals, out_avals) -> list[_Deps | None]:
+        name = eqn.primitive.name
+        sizes = [math.prod(a.shape) for a in out_avals]
+        present = [d for d in in_deps if d is not None and d.rows.size]
+        if not present:
+            return [None if not _is_float(a) else _Deps.empty(s) for a, s in zip(out_avals, sizes)]
+        if len(out_avals) == 1 and not _is_float(out_avals[0]):
+            return [None]
+        if name in _ZERO:
+            return [_Deps.empty(s) for s in sizes]
+        try:
+            out = self._structured(eqn, name, in_deps, in_vals, in_avals, out_avals, sizes)
+        except DensePattern:
+            raise
+        except Exception:  # noqa: BLE001 - a rule that does not fit these params
+            out = None
+        if out is not None:
+            return out
+        # Anything else: every output element depends on everything the inputs do.
+        every = _union(1, [d.spread(1) for d in present])
+        return [every.take(np.zeros(s, np.int64)) if _is_float(a) else None
+                for a, s in zip(out_avals, sizes)]  # fmt: skip
+
+    def _structured(self, eqn, name, in_deps, in_vals, in_avals, out_avals, sizes):
+        out_aval, size = out_avals[0], sizes[0]
+        params = eqn.params
+        if name in _ELEMENTWISE and len(out_avals) == 1:
+            first = 1 if name == "select_n" else 0
+            parts = []
+            for d, a in zip(in_deps[first:], in_avals[first:]):
+                if d is None:
+                    continue
+                if tuple(a.shape) == tuple(out_aval.shape):
+                    parts.append(d)
+                else:  # a scalar, or size-1 axes broadcast
+                    parts.append(
+                        d.take(np.broadcast_to(_positions(a.shape), out_aval.shape).ravel())
+                    )
+            return [_union(size, parts)]
+        if name in _CALLS:
+            sub = _single_subjaxpr(params)
+            if sub is None:
+                return None
+            outs, _ = self.run(*sub, in_deps, in_vals)
+            return outs
+        if name == "cond":
+            branches = params["branches"]
+            results = [self.run(*_closed_parts(b), in_deps[1:], in_vals[1:])[0] for b in branches]
+            return [
+                None if not _is_float(a) else _union(s, [r[i] for r in results if r[i] is not None])
+                for i, (a, s) in enumerate(zip(out_avals, sizes))
+            ]
+        if name in _REDUCE:
+            shape = in_avals[0].shape
+            kept = [d for d in range(len(shape)) if d not in params["axes"]]
+            target = _positions([shape[d] for d in kept])
+            target = np.broadcast_to(np.expand_dims(target, tuple(params["axes"])), shape)
+            return [in_deps[0].to(target, size)]
+        if name in _ALONG_AXIS or name == "sort":
+            axis = params["axis"] if name != "sort" else params["dimension"]
+            shape = in_avals[0].shape
+            ids = _positions([s for d, s in enumerate(shape) if d != axis])
+            line = np.broadcast_to(np.expand_dims(ids, axis), shape)
+            lines = _union(ids.size, [d.to(line, ids.size) for d in in_deps if d is not None])
+            back = lines.take(line.ravel())
+            return [back if _is_float(a) else None for a in out_avals]
+        if name == "split":
+            pos = _positions(in_avals[0].shape)
+            cuts = np.cumsum(params["sizes"])[:-1]
+            pieces = np.split(pos, cuts, axis=params["axis"])
+            return [in_deps[0].take(piece.ravel()) for piece in pieces]
+        if name == "dot_general":
+            return [self._dot(params, in_deps, in_vals, in_avals, size)]
+        if name.startswith("scatter"):
+            return [self._scatter(eqn, in_deps, in_vals, in_avals, size)]
+        if name in _MOVES:
+            data = _MOVES[name] or len(in_deps)
+            return self._movement(eqn, name, in_deps, in_vals, in_avals, data, size)
+        return None
+
+    def _movement(self, eqn, name, in_deps, in_vals, in_avals, data, size):
+        # The moved operands' elements numbered one after another, from 1 (so that 0
+        # and below mean "no source", whatever fill value the operation uses).
+        counts = [math.prod(a.shape) for a in in_avals[:data]]
+        starts = np.cumsum([0, *counts])
+        arrays = [_positions(a.shape) + start for a, start in zip(in_avals[:data], starts)]
+        moved = _move(name, eqn.params, arrays)
+        if moved is None:  # dynamic_slice, gather, dynamic_update_slice: run it
+            rest = in_vals[data:]
+            if any(v is None for v in rest):
+                return None
+            int_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+            with jax.ensure_compile_time_eval():
+                ins = [jnp.asarray(x + 1, int_dtype) for x in arrays]
+                moved = np.asarray(eqn.primitive.bind(*ins, *rest, **eqn.params)) - 1
+        moved = np.asarray(moved).ravel()
+        if moved.size != size:
+            return None
+        together = _union(int(starts[-1]), [
+            (d if d is not None else _Deps.empty(c)).to(np.arange(c) + start, int(starts[-1]))
+            for d, c, start in zip(in_deps[:data], counts, starts)
+        ])  # fmt: skip
+        return [together.take(moved)]
+
+    def _dot(self, params, in_deps, in_vals, in_avals, size):
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        ls, rs = in_avals[0].shape, in_avals[1].shape
+        lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
+        rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
+        nb = math.prod(ls[d] for d in lb)
+        nk = math.prod(ls[d] for d in lc)
+        n1, n2 = math.prod(ls[d] for d in lf), math.prod(rs[d] for d in rf)
+        # Each operand as (batch, free, contracted) positions, and its structural
+        # nonzeros (its value where known, else everywhere) in that layout.
+        lpos = np.transpose(_positions(ls), [*lb, *lf, *lc]).reshape(nb, n1, nk)
+        rpos = np.transpose(_positions(rs), [*rb, *rf, *rc]).reshape(nb, n2, nk)
+        masks = []
+        for v, a, order, shape in (
+            (in_vals[0], in_avals[0], [*lb, *lf, *lc], (nb, n1, nk)),
+            (in_vals[1], in_avals[1], [*rb, *rf, *rc], (nb, n2, nk)),
+        ):
+            mask = np.ones(a.shape, bool) if v is None else np.asarray(v) != 0
+            masks.append(np.transpose(mask, order).reshape(shape))
+        parts = []
+        for own, other, pos, d in ((0, 1, lpos, in_deps[0]), (1, 0, rpos, in_deps[1])):
+            if d is None or not d.rows.size:
+                continue
+            # Output (b, i, j) combines own element (b, i, k) wherever the other
+            # operand's (b, j, k) may be nonzero.
+            b, j, k = np.nonzero(masks[other])
+            free = n1 if own == 0 else n2
+            if free * b.size > _MAX_ENTRIES:
+                raise DensePattern
+            i = np.arange(free)[:, None]
+            if own == 0:
+                out = (b * n1 + i) * n2 + j
+            else:
+                out = (b * n1 + j) * n2 + i
+            elems = pos[b, i, k]
+            parts.append(_pairs(d, out.ravel(), elems.ravel(), size))
+        return _union(size, parts)
+
+    def _scatter(self, eqn, in_deps, in_vals, in_avals, size):
+        operand, indices, updates = in_deps[0], in_vals[1], in_deps[2]
+        base = operand if operand is not None else _Deps.empty(size)
+        if updates is None or not updates.rows.size:
+            return base
+        if indices is None:
+            return _union(size, [base, updates.spread(size)])
+        # Each update element's target: rounds of scatter-max of the update ids (the
+        # largest id not yet found, per target), until every id has its target.
+        n_up = math.prod(in_avals[2].shape)
+        ids = np.arange(1, n_up + 1).reshape(in_avals[2].shape)
+        dnums = eqn.params["dimension_numbers"]
+        rows, elems = [], []
+        remaining = ids.copy()
+        with jax.ensure_compile_time_eval():
+            for _ in range(n_up):
+                got = np.asarray(jax.lax.scatter_max(
+                    jnp.zeros(in_avals[0].shape, jnp.int32), jnp.asarray(indices),
+                    jnp.asarray(remaining, jnp.int32), dnums, mode=eqn.params.get("mode"),
+                )).ravel()  # fmt: skip
+                hit = np.nonzero(got > 0)[0]
+                if not hit.size:
+                    break
+                rows.append(hit)
+                elems.append(got[hit] - 1)
+                remaining = np.where(np.isin(ids, got[hit]), 0, remaining)
+        if not rows:
+            return base
+        return _union(
+            size, [base, _pairs(updates, np.concatenate(rows), np.concatenate(elems), size)]
+        )
+
+
+def _pairs(d: _Deps, out_rows: np.ndarray, elems: np.ndarray, size: int) -> _Deps:
+    """Output `out_rows[k]` depends on whatever element `elems[k]` of `d` does."""
+    taken = d.take(elems)  # row k: element elems[k]'s dependencies
+    return _Deps(size, out_rows[taken.rows], taken.cols)
+
+
+def _closed_parts(closed) -> tuple[Any, list[Any]]:
+    return closed.jaxpr, list(closed.consts)
+
+
+def _single_subjaxpr(params: dict):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = params.get(key)
+        if sub is None:
+            continue
+        if hasattr(sub, "consts"):
+            return _closed_parts(sub)
+        return sub, []
+    return None
+
+
+def traced_pattern(fn: Callable, x: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """The `(rows, cols, n)` of a superset of the nonzero entries of the Jacobian of
+    `fn` at `x` (flattened as `ravel_pytree` does), read from its traced operations.
+    Raises `DensePattern` when it is dense or too large to hold, and `ValueError`
+    when `fn` does not map `n` values to `n`."""
+    flat, unravel = ravel_pytree(x)
+    n = flat.size
+    closed = jax.make_jaxpr(lambda v: ravel_pytree(fn(unravel(v)))[0])(
+        jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    )
+    out_aval = closed.out_avals[0]
+    if out_aval.shape != (n,):
+        raise ValueError(
+            f"`fn` must return {n} values in all (as many as `x` holds), got {out_aval.shape}"
+        )
+    identity = _Deps(n, np.arange(n), np.arange(n), clean=True)
+    (out,), _ = _Tracer(n).run(closed.jaxpr, list(closed.consts), [identity], [None])
+    if out is None:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), n
+    return out.rows, out.cols, n

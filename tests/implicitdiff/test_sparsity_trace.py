@@ -1,0 +1,180 @@
+"""`linear_solve.sparsity_pattern(fn, x, method="trace")`: the Jacobian's pattern read
+from the operations of `fn`.
+
+Each case compares the traced pattern with the nonzero entries of the Jacobian
+evaluated by forward mode at random points: the traced one must hold every one of them
+(a missed entry would make `Sparse` build a wrong matrix), and for operations the tracer
+follows exactly (stencils, slices, constant matrices, gathers at constant indices) it
+must be equal to them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from implicitdiff import linear_solve
+
+RNG = np.random.default_rng(0)
+MASK = RNG.random((5, 5)) < 0.4
+BATCHED = np.asarray(RNG.random((2, 3, 3)) < 0.5, float)
+INDEX = np.array([2, 0, 1, 4, 3])
+
+
+def _evaluated(fn, x, points=3):
+    """The union of the Jacobian's nonzero entries at random points near `x`."""
+    flat, unravel = ravel_pytree(x)
+
+    def g(v):
+        return ravel_pytree(fn(unravel(v)))[0]
+
+    found = set()
+    for _ in range(points):
+        point = flat + jnp.asarray(RNG.normal(size=flat.size))
+        jac = np.asarray(jax.jacfwd(g)(point))
+        found |= set(zip(*np.nonzero(jac)))
+    return found
+
+
+def _traced(fn, x):
+    p = linear_solve.sparsity_pattern(fn, x, method="trace")
+    n = ravel_pytree(x)[0].size
+    # The pattern always holds the diagonal; compare off it separately.
+    return {(int(r), int(c)) for r, c in zip(p.rows, p.cols)}, {(i, i) for i in range(n)}
+
+
+def _brusselator_line(y):
+    # Two fields per point, stored point by point: bandwidths 2.
+    u, v = y[0::2], y[1::2]
+    lap = lambda w: jnp.concatenate([w[1:2], w[2:] + w[:-2], w[-2:-1]]) - 2 * w  # noqa: E731
+    du = 1 + u * u * v - 4 * u + 0.02 * lap(u)
+    dv = 3 * u - u * u * v + 0.02 * lap(v)
+    return jnp.stack([du, dv], axis=1).reshape(-1)
+
+
+def _grid(y):
+    # A periodic 5-point stencil on a 4 x 5 grid, two fields per point.
+    z = y.reshape(4, 5, 2)
+    lap = sum(jnp.roll(z, s, a) for s in (1, -1) for a in (0, 1)) - 4 * z
+    return (lap + z[..., ::-1] * z).reshape(-1)
+
+
+EXACT = {
+    "stencil on a line": (_brusselator_line, jnp.ones(16)),
+    "periodic grid (roll)": (_grid, jnp.ones(40)),
+    "constant sparse matrix": (lambda y: jnp.asarray(MASK, float) @ y, jnp.ones(5)),
+    "batched constant matrices": (lambda y: jnp.einsum("bij,bj->bi", BATCHED, y), jnp.ones((2, 3))),
+    "matrix on the right": (lambda y: jnp.einsum("bj,bji->bi", y, BATCHED), jnp.ones((2, 3))),
+    "product of two unknowns": (lambda y: jnp.outer(y[:2], y[2:]).ravel()[:5], jnp.ones(5)),
+    "matrix input": (lambda m: m @ m.T, jnp.ones((2, 2))),
+    "pytrees": (
+        lambda d: {"a": d["a"] * d["b"][0], "b": jnp.sin(d["b"])},
+        {"a": jnp.ones(3), "b": jnp.ones(2)},
+    ),  # fmt: skip
+    "gather at constant indices": (lambda y: y[INDEX] * y, jnp.ones(5)),
+    "scatter-add at constant indices": (
+        lambda y: jnp.zeros(5).at[np.array([0, 0, 3])].add(y[:3] ** 2) + y,
+        jnp.ones(5),
+    ),
+    "dynamic slice at a constant start": (
+        lambda y: jnp.concatenate([jax.lax.dynamic_slice(y, (1,), (3,)), y[:2]]),
+        jnp.ones(5),
+    ),
+    "padding and reversal": (lambda y: jnp.pad(y, (1, 1))[:-2] ** 2 + y[::-1], jnp.ones(5)),
+    "reductions": (lambda y: y.reshape(2, 3).sum(0).repeat(2) * y, jnp.ones(6)),
+    "where and custom_jvp": (lambda y: jnp.where(y > 0, jax.nn.relu(y), y**2), jnp.ones(5)),
+    "zero derivatives": (
+        lambda y: jnp.floor(y) * jax.lax.stop_gradient(y[::-1]) + y,
+        jnp.ones(4),
+    ),
+    "split and transpose": (
+        lambda y: jnp.concatenate([a.T.ravel() for a in jnp.split(y.reshape(2, 4), 2, 1)]),
+        jnp.ones(8),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_traced_pattern_is_exact_where_it_can_be(x64, name):
+    fn, x = EXACT[name]
+    traced, diagonal = _traced(fn, x)
+    assert traced - diagonal == _evaluated(fn, x) - diagonal
+
+
+SUPERSET = {
+    "branches of cond": (
+        lambda y: jax.lax.cond(y[0] > 0, lambda y: y * y[0], lambda y: jnp.roll(y, 1), y),
+        jnp.ones(5),
+    ),
+    "while loop": (
+        lambda y: jax.lax.fori_loop(0, 2, lambda i, y: y * 2 + jnp.roll(y, 1), y),
+        jnp.ones(5),
+    ),
+    "cumsum and sort": (lambda y: jnp.cumsum(y) + jnp.sort(y), jnp.ones(5)),
+    "traced index": (lambda y: y * y[jnp.argmax(y)], jnp.ones(5)),
+    "linear solve": (lambda y: jnp.linalg.solve(jnp.eye(4) + jnp.outer(y, y), y), jnp.ones(4)),
+}
+
+
+@pytest.mark.parametrize("name", list(SUPERSET))
+def test_traced_pattern_holds_every_entry(x64, name):
+    fn, x = SUPERSET[name]
+    traced, _ = _traced(fn, x)
+    assert _evaluated(fn, x) <= traced
+
+
+def test_traced_pattern_counts_known_couplings(x64):
+    # Values a branch does not take still count; a coupling through a comparison
+    # does not (its derivative is zero).
+    traced, _ = _traced(lambda y: jnp.where(y[0] > 0, y, 2 * y), jnp.ones(4))
+    assert traced == {(i, i) for i in range(4)}
+    traced, _ = _traced(lambda y: jnp.sum(y) * jnp.ones(3), jnp.ones(3))
+    assert len(traced) == 9
+
+
+def test_traced_pattern_under_jit_and_vmap(x64):
+    """Only shapes are used: it works on tracers, and a value closed over from the
+    enclosing trace counts as unknown (so a traced matrix couples everything)."""
+
+    @jax.jit
+    def nnz(p):
+        pattern = linear_solve.sparsity_pattern(
+            lambda y: y * p[0] + jnp.roll(y, 1), p, method="trace"
+        )
+        return pattern.nnz
+
+    assert int(nnz(jnp.ones(6))) == 12
+
+    def coupled(a):
+        pattern = linear_solve.sparsity_pattern(lambda y: a @ y, a[0], method="trace")
+        assert pattern.nnz == 9
+        return a
+
+    jax.vmap(coupled)(jnp.ones((2, 3, 3)))
+
+
+def test_traced_pattern_errors(x64):
+    with pytest.raises(ValueError, match=r"dense as traced"):
+        linear_solve.sparsity_pattern(lambda y: y * jnp.sum(y), jnp.ones(300), method="trace")
+    with pytest.raises(ValueError, match=r"must return 4 values"):
+        linear_solve.sparsity_pattern(lambda y: y[:3], jnp.ones(4), method="trace")
+    with pytest.raises(ValueError, match=r"`method` must be 'probe' or 'trace'"):
+        linear_solve.sparsity_pattern(lambda y: y, jnp.ones(4), method="exact")
+
+
+def test_sparse_solve_on_a_traced_pattern(x64):
+    """`Sparse` on the traced pattern solves as `Dense` does, in both directions."""
+    n = 40
+    weights = jnp.linspace(1.0, 2.0, n)
+
+    def operator(v):
+        return 4 * v + weights * jnp.roll(v, 3) - jnp.roll(v, -7)
+
+    pattern = linear_solve.sparsity_pattern(operator, jnp.zeros(n), method="trace")
+    assert pattern.nnz == 3 * n
+    b = jnp.sin(jnp.arange(n, dtype=float))
+    sparse = linear_solve.Sparse(pattern)
+    np.testing.assert_allclose(sparse(operator, b), linear_solve.Dense()(operator, b), rtol=1e-12)
+    grad = lambda solver: jax.grad(lambda b: jnp.sum(solver(operator, b) ** 2))(b)  # noqa: E731
+    np.testing.assert_allclose(grad(sparse), grad(linear_solve.Dense()), rtol=1e-12)
