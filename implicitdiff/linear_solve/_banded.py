@@ -30,6 +30,7 @@ __all__ = [
     "band_lu_rows",
     "band_lu_blocks",
     "band_lu_solve",
+    "rows_differ",
 ]
 
 # Rows per iteration of the sequential scans, measured on CPU: unrolling speeds up
@@ -52,8 +53,11 @@ class BandedState(NamedTuple):
     lower` after the interchange) and `pivots[k]` the offset of the row swapped with
     row `k`. Wide bands, one block of `b` rows at a time: `upper_rows[i]` is the
     block row `i` of `U` (`b x 3b`), `multipliers[i]` the LU factors of the `2b x b`
-    panel of step `i` and `pivots[i]` its row permutation. As for `Dense`, the solves'
-    derivatives come from the operator, never from the factors.
+    panel of step `i` and `pivots[i]` its row permutation. `Sparse` on independent
+    small groups of unknowns (`SparsityPattern.blocks`): `upper_rows[k]` the LU factors
+    of block `k`, `multipliers[k]` its row permutation as a one-hot matrix and
+    `pivots[k]` as indices. As for `Dense`, the solves' derivatives come from the
+    operator, never from the factors.
     """
 
     operator: jax.tree_util.Partial
@@ -96,17 +100,22 @@ def band_apply(ab: jax.Array, x: jax.Array, lower: int) -> jax.Array:
 
 def band_mismatch(ab: jax.Array, exact: jax.Array, probe: jax.Array, lower: int) -> jax.Array:
     """Whether the operator's matvec `exact` on `probe` differs from the stored
-    matrix's by more than rounding in some row: the matrix misses entries.
-
-    Row `i` may differ by `1e3 eps (width (|A| |probe|)_i + |exact_i|)`, the rounding
-    of either product; an entry outside the stored ones shows unless it is that small
-    against its row (the probe's components are all of order one)."""
-    width = ab.shape[1]
+    matrix's by more than rounding in some row: the matrix misses entries (see
+    `rows_differ`)."""
     windows = _band_windows(probe, *ab.shape, lower)
     stored = jnp.sum(ab * windows, axis=1)
     magnitude = jnp.sum(jnp.abs(ab) * jnp.abs(windows), axis=1)
-    eps = jnp.finfo(ab.dtype).eps
-    slack = 1e3 * eps * (width * magnitude + jnp.abs(exact)) + jnp.finfo(ab.dtype).tiny
+    return rows_differ(exact, stored, magnitude, ab.shape[1])
+
+
+def rows_differ(exact: jax.Array, stored: jax.Array, magnitude: jax.Array, width: int):
+    """Whether the operator's matvec `exact` on a probe differs from the stored
+    matrix's, `stored`, by more than rounding in some row. Row `i` may differ by `1e3
+    eps (width (|A| |probe|)_i + |exact_i|)` (`magnitude` is `|A| |probe|`), the
+    rounding of either product; an entry outside the stored ones shows unless it is
+    that small against its row (the probe's components are all of order one)."""
+    eps = jnp.finfo(stored.dtype).eps
+    slack = 1e3 * eps * (width * magnitude + jnp.abs(exact)) + jnp.finfo(stored.dtype).tiny
     return jnp.any(jnp.abs(exact - stored) > slack) & all_finite(exact)
 
 
@@ -345,7 +354,8 @@ class BandLU(Factored):
     A subclass gives its bandwidths (`_widths`), builds the band from the flattened
     matvec (`_storage`), and may reorder the unknowns (`_reorder`: `(order,
     position)` with the band holding `A[order][:, order]`, `position` the inverse
-    permutation) and check their number (`_check_size`).
+    permutation) and check their number (`_check_size`). A subclass that stores its
+    matrix otherwise replaces `_factor`, `_mismatch` and `_solve_factors`.
     """
 
     check: bool = True
@@ -388,14 +398,14 @@ class BandLU(Factored):
             reorder = self._reorder()
             if reorder is not None:
                 probe, exact = probe[reorder[0]], exact[reorder[0]]
-            off = band_mismatch(ab, exact, probe, self._widths()[0])
+            off = self._mismatch(ab, exact, probe)
             ab = error_if(ab, off, self._outside_message())
         return ab
 
     def init(self, matvec: MatVec, b_like: PyTree) -> BandedState:
         operator = as_operator(matvec, b_like)
         ab = jax.lax.stop_gradient(self._band(operator, b_like))
-        return BandedState(operator, *band_lu(ab, *self._widths()))
+        return BandedState(operator, *self._factor(ab))
 
     def __call__(self, matvec: MatVec, b: PyTree) -> PyTree:
         b, size, _ = prepare_b(b, self.name)
@@ -406,18 +416,29 @@ class BandLU(Factored):
         )
 
     def _solve_once(self, matvec: MatVec, b: PyTree) -> PyTree:
-        factors = band_lu(self._band(matvec, b), *self._widths())
+        factors = self._factor(self._band(matvec, b))
         return self._factor_solve(factors, 0, matvec, b)
+
+    def _factor(self, storage: jax.Array):
+        """The factors of the stored matrix (band LU)."""
+        return band_lu(storage, *self._widths())
+
+    def _mismatch(self, storage: jax.Array, exact: jax.Array, probe: jax.Array) -> jax.Array:
+        """Whether the stored matrix misses entries of the operator (`band_mismatch`)."""
+        return band_mismatch(storage, exact, probe, self._widths()[0])
+
+    def _solve_factors(self, factors, b: jax.Array, trans: int) -> jax.Array:
+        """`_apply` in the solver's own order of the unknowns."""
+        return band_lu_solve(factors, b, self._widths()[0], trans)
 
     def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
         # A reordered matrix is P A P^T, its transpose P A^T P^T: one reordering
         # serves both solves.
-        lower = self._widths()[0]
         reorder = self._reorder()
         if reorder is None:
-            return band_lu_solve(factors, b, lower, trans)
+            return self._solve_factors(factors, b, trans)
         order, position = reorder
-        return band_lu_solve(factors, b[order], lower, trans)[position]
+        return self._solve_factors(factors, b[order], trans)[position]
 
 
 @dataclasses.dataclass(frozen=True)

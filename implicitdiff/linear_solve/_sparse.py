@@ -18,6 +18,7 @@ from jax.flatten_util import ravel_pytree
 
 from ._banded import BandLU
 from ._base import PyTree
+from ._blocks import BLOCK_MAX, block_lu, block_lu_solve, block_mismatch, small_components
 from ._checks import as_arrays, check_throw
 from ._structure import DensePattern, traced_pattern
 
@@ -33,7 +34,12 @@ class SparsityPattern:
       are the bandwidths of the reordered matrix;
     - `colours`: a column colouring: columns of one colour never share a row, so one
       matvec on the sum of their unit vectors gives all their entries. `num_colours`
-      matvecs build the matrix (a handful for a stencil, whatever `n`).
+      matvecs build the matrix (a handful for a stencil, whatever `n`);
+    - `blocks`: when the unknowns split into independent groups (connected parts of
+      the symmetrised pattern) of at most `BLOCK_MAX` (8) unknowns each, and there are
+      several, their indices as an array `(groups, size)` padded with `-1`: the
+      matrix is block diagonal in that order (copies of a small system, a reaction at
+      each point of a grid without transport). Otherwise None.
 
     The diagonal is always part of the pattern. Two patterns are equal when they
     have the same entries, so solvers built from equal patterns compare (and hash)
@@ -88,7 +94,9 @@ class SparsityPattern:
         self.rows.setflags(write=False)
         self.cols.setflags(write=False)
         self._digest = hashlib.sha1(np.int64(n).tobytes() + flat.tobytes()).hexdigest()
-        self.order = _reverse_cuthill_mckee(n, self.rows, self.cols)
+        adjacency = _neighbours(n, self.rows, self.cols)
+        self.blocks = small_components(adjacency, BLOCK_MAX)
+        self.order = _reverse_cuthill_mckee(n, adjacency)
         self.position = np.empty(n, np.int64)
         self.position[self.order] = np.arange(n)
         offsets = self.position[self.cols] - self.position[self.rows]
@@ -128,9 +136,10 @@ class SparsityPattern:
         return hash(self._digest)
 
     def __repr__(self) -> str:
+        blocks = "" if self.blocks is None else f", blocks={self.blocks.shape}"
         return (
             f"SparsityPattern(n={self.n}, nnz={self.nnz}, colours={self.num_colours}, "
-            f"lower={self.lower}, upper={self.upper})"
+            f"lower={self.lower}, upper={self.upper}{blocks})"
         )
 
 
@@ -158,10 +167,10 @@ def _neighbours(n: int, rows: np.ndarray, cols: np.ndarray) -> list[np.ndarray]:
     return [b[starts[i] : starts[i + 1]] for i in range(n)]
 
 
-def _reverse_cuthill_mckee(n: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """A reverse Cuthill-McKee ordering: breadth-first from a peripheral unknown of each
-    connected part, neighbours by increasing degree, then reversed."""
-    adjacency = _neighbours(n, rows, cols)
+def _reverse_cuthill_mckee(n: int, adjacency: list[np.ndarray]) -> np.ndarray:
+    """A reverse Cuthill-McKee ordering of the graph with these adjacency lists:
+    breadth-first from a peripheral unknown of each connected part, neighbours by
+    increasing degree, then reversed."""
     degree = np.array([a.size for a in adjacency])
 
     def levels(start: int, seen: np.ndarray) -> list[int]:
@@ -239,9 +248,12 @@ class Sparse(BandLU):
 
     Cost for `n` unknowns and reordered bandwidths `l`, `u` (`solver.pattern.lower`,
     `.upper`): `O(n (l + u)^2)` time to factor, `O(n (l + u))` per solve and memory.
-    That suits patterns that reorder into a narrow band: block-diagonal systems in any
-    storage order, PDEs on a line, and 2-D grids of moderate size (a `k x k` grid has
-    `l ~ u ~ 2k`). Build the solver once, outside `jax.jit`: the analysis is NumPy.
+    That suits patterns that reorder into a narrow band: PDEs on a line, and 2-D grids
+    of moderate size (a `k x k` grid has `l ~ u ~ 2k`). A pattern of independent
+    groups of at most 8 unknowns (`SparsityPattern.blocks`: copies of a small system,
+    in any storage order) is stored as those blocks instead and factored all at once,
+    with no sequential scan: `O(n b^2)` time for blocks of `b` unknowns. Build the
+    solver once, outside `jax.jit`: the analysis is NumPy.
 
     The unknowns are numbered as `jax.flatten_util.ravel_pytree` numbers them. A
     pattern that misses an entry would drop it (or add it to another entry of its
@@ -293,7 +305,7 @@ class Sparse(BandLU):
         if not isinstance(self.pattern, SparsityPattern):
             object.__setattr__(self, "pattern", SparsityPattern(self.pattern))
         p = self.pattern
-        if p.n >= 200 and p.lower + p.upper + 1 > p.n // 2:
+        if p.blocks is None and p.n >= 200 and p.lower + p.upper + 1 > p.n // 2:
             warnings.warn(
                 f"linear_solve.Sparse: the pattern ({p}) reorders into a band as wide as "
                 "half the matrix (dense rows or columns, or long-range coupling), so it "
@@ -313,7 +325,9 @@ class Sparse(BandLU):
     def _widths(self) -> tuple[int, int]:
         return self.pattern.lower, self.pattern.upper
 
-    def _reorder(self) -> tuple[np.ndarray, np.ndarray]:
+    def _reorder(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if self.pattern.blocks is not None:  # the blocks index the unknowns themselves
+            return None
         return self.pattern.order, self.pattern.position
 
     def _check_size(self, n: int) -> None:
@@ -330,8 +344,32 @@ class Sparse(BandLU):
         seeds = jnp.asarray(p.colours[None, :] == np.arange(p.num_colours)[:, None], dtype)
         compressed = jax.vmap(flat_matvec)(seeds)  # row c: the sum of the columns of colour c
         values = compressed[p.colours[p.cols], p.rows]
+        if p.blocks is not None:
+            # One dense block per group, the identity on the padding.
+            parts, size = p.blocks.shape
+            part, slot = np.empty(n, np.int64), np.empty(n, np.int64)
+            k, s = np.nonzero(p.blocks >= 0)
+            part[p.blocks[k, s]], slot[p.blocks[k, s]] = k, s
+            pad = (p.blocks < 0)[:, :, None] * np.eye(size, dtype=bool)[None]
+            blocks = jnp.asarray(pad, dtype)
+            return blocks.at[part[p.rows], slot[p.rows], slot[p.cols]].set(values)
         i, j = p.position[p.rows], p.position[p.cols]
         return jnp.zeros((n, p.lower + p.upper + 1), dtype).at[i, j - i + p.lower].set(values)
+
+    def _factor(self, storage: jax.Array):
+        if self.pattern.blocks is not None:
+            return block_lu(storage)
+        return super()._factor(storage)
+
+    def _mismatch(self, storage: jax.Array, exact: jax.Array, probe: jax.Array) -> jax.Array:
+        if self.pattern.blocks is not None:
+            return block_mismatch(storage, exact, probe, self.pattern.blocks)
+        return super()._mismatch(storage, exact, probe)
+
+    def _solve_factors(self, factors, b: jax.Array, trans: int) -> jax.Array:
+        if self.pattern.blocks is not None:
+            return block_lu_solve(factors, b, self.pattern.blocks, trans)
+        return super()._solve_factors(factors, b, trans)
 
     def _mirrored(self) -> Sparse:
         return dataclasses.replace(self, pattern=self.pattern.transposed())
@@ -345,16 +383,20 @@ def sparsity_pattern(
     x: PyTree,
     *,
     method: str = "probe",
+    args: tuple = (),
     probes: int = 2,
     seed: int = 0,
     chunk: int = 256,
 ) -> SparsityPattern:
     """The pattern of the nonzero entries of the Jacobian of `fn` near `x`.
 
-    With `method="trace"`, the pattern is read from the operations of `fn` (traced at
-    the shapes of `x`, never evaluated): an entry is in it when some chain of
-    operations carries input `j` to output `i`, so it holds every entry that can be
-    nonzero at any point. It is exact for stencils (slices, rolls, padding, stacking,
+    With `method="trace"`, the pattern is read from the operations of `fn` (its
+    Jacobian-vector product, traced at the shapes of `x` and never evaluated, so that
+    `custom_jvp` rules count): an entry is in it when some chain of operations carries
+    input `j` to output `i`, so it holds every entry that can be nonzero at any point
+    `x` and any value of `args`. Values `fn` closes over are constants: a zero entry
+    of a closed-over matrix is no coupling (pass such values in `args` for a pattern
+    that holds whatever they are). It is exact for stencils (slices, rolls, padding, stacking,
     reshapes, products with constant sparse matrices) and a superset where `fn`
     combines values it cannot follow apart: loops (`while_loop`, `scan`), sorts,
     cumulative sums, linear algebra and indexing by traced indices make each of their
@@ -383,6 +425,8 @@ def sparsity_pattern(
             dtypes are used).
         method: `"probe"` (evaluate the Jacobian at points near `x`) or `"trace"`
             (read the pattern from the operations of `fn`).
+        args: more arguments of `fn`, called as `fn(x, *args)`; with `"trace"` their
+            values are not used.
         probes: the number of random points.
         seed: the seed of the perturbations.
         chunk: the number of columns evaluated together.
@@ -402,11 +446,13 @@ def sparsity_pattern(
         ```
     """
     if method == "trace":
-        return _traced(fn, x)
+        return _traced(fn, x, tuple(args))
     if method != "probe":
         raise ValueError(
             f"linear_solve.sparsity_pattern: `method` must be 'probe' or 'trace', got {method!r}"
         )
+    if args:
+        fn = lambda v, fn=fn: fn(v, *args)  # noqa: E731
     flat, unravel = ravel_pytree(as_arrays(x))
     n = flat.size
 
@@ -457,10 +503,10 @@ _DENSE_FILL = 0.25
 _DENSE_MIN = 256
 
 
-def _traced(fn: Any, x: PyTree) -> SparsityPattern:
+def _traced(fn: Any, x: PyTree, args: tuple) -> SparsityPattern:
     n = ravel_pytree(x)[0].size
     try:
-        rows, cols, n = traced_pattern(fn, x)
+        rows, cols, n = traced_pattern(fn, x, args)
     except ValueError as e:
         raise ValueError(f"linear_solve.sparsity_pattern: {e}: the pattern of a linear "
                          "solver's matrix is square") from None  # fmt: skip

@@ -131,7 +131,17 @@ def _positions(shape: Sequence[int]) -> np.ndarray:
 
 
 def _is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
+    return hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _is_numeric(aval: Any) -> bool:
+    """A plain array type (not a PRNG key or another extended dtype)."""
+    dtype = getattr(aval, "dtype", None)
+    return (
+        dtype is not None
+        and hasattr(aval, "shape")
+        and (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+    )
 
 
 # Elementwise: the union of the operands.
@@ -164,8 +174,12 @@ def _move(name: str, params: dict, arrays: list[np.ndarray]) -> np.ndarray | Non
     """The NumPy form of a data movement on position arrays (`-1`: no source), or
     None when `name` is not one of these."""
     x = arrays[0] if arrays else None
-    if name in ("reshape",):
+    if name == "reshape":
+        if params.get("dimensions") is not None:
+            x = np.transpose(x, params["dimensions"])
         return np.reshape(x, params["new_sizes"])
+    if name == "tile":
+        return np.tile(x, params["reps"])
     if name == "transpose":
         return np.transpose(x, params["permutation"])
     if name == "broadcast_in_dim":
@@ -218,7 +232,7 @@ def _move(name: str, params: dict, arrays: list[np.ndarray]) -> np.ndarray | Non
 # operands (pad's value, indices, start positions) must be known constants, except pad's.
 _MOVES = {
     **dict.fromkeys(
-        "reshape transpose broadcast_in_dim squeeze expand_dims slice rev pad "
+        "reshape transpose broadcast_in_dim squeeze expand_dims slice rev pad tile "
         "dynamic_slice gather".split(),
         1,
     ),
@@ -242,7 +256,8 @@ class _Tracer:
         known: dict[Any, Any] = {}
         for v, c in zip(constvars, consts, strict=True):
             deps[v] = None
-            if not isinstance(c, Tracer):  # a value closed over from an outer trace
+            # Not a value closed over from an outer trace, nor a PRNG key.
+            if not isinstance(c, Tracer) and _is_numeric(v.aval):
                 known[v] = np.asarray(c)
         for v, d, k in zip(invars, in_deps, in_known, strict=True):
             deps[v] = d
@@ -264,26 +279,43 @@ class _Tracer:
                 for v, val in zip(eqn.outvars, outs_known, strict=True):
                     deps[v], known[v] = None, val
                 continue
-            outs = self._rule(eqn, in_deps_, in_vals, [v.aval for v in eqn.invars], out_avals)
+            sub = _single_subjaxpr(eqn.params) if eqn.primitive.name in _CALLS else None
+            if sub is not None:
+                # A nested call: followed inside, keeping the values it computes from
+                # constants.
+                outs, vals = self.run(*sub, in_deps_, in_vals)
+                for v, d, val, aval in zip(eqn.outvars, outs, vals, out_avals, strict=True):
+                    deps[v] = d if _is_float(aval) else None
+                    if val is not None:
+                        known[v] = val
+                continue
+            in_avals = [v.aval for v in eqn.invars]
+            if len(out_avals) == 1 and all(d is None or not d.rows.size for d in in_deps_):
+                # A value of unknown entries that does not depend on the input: where
+                # it may be nonzero, when that can be told (`t * A` for a constant A).
+                mask = _nonzero_mask(eqn, in_vals, in_avals, out_avals[0])
+                if mask is not None:
+                    known[eqn.outvars[0]] = _Mask(mask)
+            outs = self._rule(eqn, in_deps_, in_vals, in_avals, out_avals)
             for v, d, aval in zip(eqn.outvars, outs, out_avals, strict=True):
                 deps[v] = d if _is_float(aval) else None
         return [read(v)[0] for v in outvars], [read(v)[1] for v in outvars]
 
     def _evaluate(self, eqn, in_deps, in_vals, out_avals):
         """The outputs' values when every input is a known constant (and small)."""
-        if any(d is not None for d in in_deps) or any(v is None for v in in_vals):
+        if any(d is not None for d in in_deps) or not all(map(_is_value, in_vals)):
             return None
         if sum(math.prod(a.shape) for a in out_avals) > _MAX_KNOWN:
             return None
-        if eqn.effects or any(not hasattr(a, "shape") for a in out_avals):
+        if eqn.effects or any(not _is_numeric(a) for a in out_avals):
             return None
         try:
             with jax.ensure_compile_time_eval():
                 out = eqn.primitive.bind(*in_vals, **eqn.params)
+            out = out if eqn.primitive.multiple_results else [out]
+            return [np.asarray(o) for o in out]
         except Exception:  # noqa: BLE001 - an operation that cannot run eagerly
             return None
-        out = out if eqn.primitive.multiple_results else [out]
-        return [np.asarray(o) for o in out]
 
     def _rule(self, eqn, in_deps, in_vals, in_avals, out_avals) -> list[_Deps | None]:
         name = eqn.primitive.name
@@ -324,12 +356,6 @@ class _Tracer:
                         d.take(np.broadcast_to(_positions(a.shape), out_aval.shape).ravel())
                     )
             return [_union(size, parts)]
-        if name in _CALLS:
-            sub = _single_subjaxpr(params)
-            if sub is None:
-                return None
-            outs, _ = self.run(*sub, in_deps, in_vals)
-            return outs
         if name == "cond":
             branches = params["branches"]
             results = [self.run(*_closed_parts(b), in_deps[1:], in_vals[1:])[0] for b in branches]
@@ -374,7 +400,7 @@ class _Tracer:
         moved = _move(name, eqn.params, arrays)
         if moved is None:  # dynamic_slice, gather, dynamic_update_slice: run it
             rest = in_vals[data:]
-            if any(v is None for v in rest):
+            if not all(map(_is_value, rest)):
                 return None
             int_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
             with jax.ensure_compile_time_eval():
@@ -387,7 +413,12 @@ class _Tracer:
             (d if d is not None else _Deps.empty(c)).to(np.arange(c) + start, int(starts[-1]))
             for d, c, start in zip(in_deps[:data], counts, starts)
         ])  # fmt: skip
-        return [together.take(moved)]
+        out = together.take(moved)
+        if name == "pad" and in_deps[1] is not None and in_deps[1].rows.size:
+            # The padding takes the value's dependencies.
+            padding = np.nonzero(moved < 0)[0]
+            out = _union(size, [out, _pairs(in_deps[1], padding, np.zeros_like(padding), size)])
+        return [out]
 
     def _dot(self, params, in_deps, in_vals, in_avals, size):
         (lc, rc), (lb, rb) = params["dimension_numbers"]
@@ -406,7 +437,7 @@ class _Tracer:
             (in_vals[0], in_avals[0], [*lb, *lf, *lc], (nb, n1, nk)),
             (in_vals[1], in_avals[1], [*rb, *rf, *rc], (nb, n2, nk)),
         ):
-            mask = np.ones(a.shape, bool) if v is None else np.asarray(v) != 0
+            mask = _mask_of(v, a.shape)
             masks.append(np.transpose(mask, order).reshape(shape))
         parts = []
         for own, other, pos, d in ((0, 1, lpos, in_deps[0]), (1, 0, rpos, in_deps[1])):
@@ -432,32 +463,89 @@ class _Tracer:
         base = operand if operand is not None else _Deps.empty(size)
         if updates is None or not updates.rows.size:
             return base
-        if indices is None:
+        if not _is_value(indices):
             return _union(size, [base, updates.spread(size)])
-        # Each update element's target: rounds of scatter-max of the update ids (the
-        # largest id not yet found, per target), until every id has its target.
-        n_up = math.prod(in_avals[2].shape)
-        ids = np.arange(1, n_up + 1).reshape(in_avals[2].shape)
-        dnums = eqn.params["dimension_numbers"]
-        rows, elems = [], []
-        remaining = ids.copy()
+        # Each update element's target, in one call: the transpose of scattering the
+        # updates (a gather) applied to the operand's positions, counted from 1 (a
+        # dropped update gets 0).
+        if size >= 1 << 24:  # past float32's exact integers
+            return _union(size, [base, updates.spread(size)])
+        dnums, mode = eqn.params["dimension_numbers"], eqn.params.get("mode")
+        positions = np.arange(1, size + 1, dtype=np.float64).reshape(in_avals[0].shape)
         with jax.ensure_compile_time_eval():
-            for _ in range(n_up):
-                got = np.asarray(jax.lax.scatter_max(
-                    jnp.zeros(in_avals[0].shape, jnp.int32), jnp.asarray(indices),
-                    jnp.asarray(remaining, jnp.int32), dnums, mode=eqn.params.get("mode"),
-                )).ravel()  # fmt: skip
-                hit = np.nonzero(got > 0)[0]
-                if not hit.size:
-                    break
-                rows.append(hit)
-                elems.append(got[hit] - 1)
-                remaining = np.where(np.isin(ids, got[hit]), 0, remaining)
-        if not rows:
-            return base
-        return _union(
-            size, [base, _pairs(updates, np.concatenate(rows), np.concatenate(elems), size)]
-        )
+            zeros = jnp.zeros(in_avals[0].shape, jnp.float32)
+            idx = jnp.asarray(indices)
+
+            def scatter(u):
+                return jax.lax.scatter_add(zeros, idx, u, dnums, mode=mode)
+
+            update = jax.ShapeDtypeStruct(in_avals[2].shape, jnp.float32)
+            (target,) = jax.linear_transpose(scatter, update)(jnp.asarray(positions, jnp.float32))
+        target = np.rint(np.asarray(target, np.float64)).astype(np.int64).ravel() - 1
+        elems = np.nonzero(target >= 0)[0]
+        return _union(size, [base, _pairs(updates, target[elems], elems, size)])
+
+
+class _Mask:
+    """What is known of a value computed without the input but from unknown values:
+    where it may be nonzero."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask: np.ndarray):
+        self.mask = mask
+
+
+def _is_value(v: Any) -> bool:
+    return v is not None and not isinstance(v, _Mask)
+
+
+def _mask_of(v: Any, shape: Sequence[int]) -> np.ndarray:
+    """Where a value may be nonzero: its entries if known, else its mask, else all."""
+    if v is None:
+        return np.ones(tuple(shape), bool)
+    if isinstance(v, _Mask):
+        return v.mask
+    return np.asarray(v) != 0
+
+
+_MASK_SAME = frozenset("neg convert_element_type copy copy_p reduce_precision".split())
+_MASK_ANY = frozenset("add sub max min select_n add_any".split())
+
+
+def _nonzero_mask(eqn, in_vals, in_avals, out_aval) -> np.ndarray | None:
+    """Where an operation on values that do not depend on the input may be nonzero:
+    a product is nonzero only where all its factors may be, a sum where any term may
+    be, a data movement where its source may be. None when that is not followed."""
+    name = eqn.primitive.name
+    if not _is_float(out_aval) or all(v is None for v in in_vals):
+        return None
+    shape = tuple(out_aval.shape)
+
+    def spread(i):
+        return np.broadcast_to(_mask_of(in_vals[i], in_avals[i].shape), shape)
+
+    try:
+        if name == "mul":
+            return spread(0) & spread(1)
+        if name == "div" or name in _MASK_SAME:
+            return spread(0).copy()
+        if name in _MASK_ANY:
+            first = 1 if name == "select_n" else 0
+            return np.logical_or.reduce([spread(i) for i in range(first, len(in_vals))])
+        if name in _MOVES and name not in ("dynamic_slice", "gather", "dynamic_update_slice"):
+            data = _MOVES[name] or len(in_vals)
+            counts = [math.prod(a.shape) for a in in_avals[:data]]
+            starts = np.cumsum([0, *counts])
+            arrays = [_positions(a.shape) + st for a, st in zip(in_avals[:data], starts)]
+            moved = np.asarray(_move(name, eqn.params, arrays)).ravel()
+            flat = np.concatenate([_mask_of(v, a.shape).ravel() for v, a in
+                                   zip(in_vals[:data], in_avals[:data])])  # fmt: skip
+            fill = True if name != "pad" else bool(_mask_of(in_vals[1], ()).any())
+            return np.where(moved >= 0, flat[np.maximum(moved, 0)], fill).reshape(shape)
+    except Exception:  # noqa: BLE001 - params this does not follow: unknown
+        return None
+    return None
 
 
 def _pairs(d: _Deps, out_rows: np.ndarray, elems: np.ndarray, size: int) -> _Deps:
@@ -481,23 +569,43 @@ def _single_subjaxpr(params: dict):
     return None
 
 
-def traced_pattern(fn: Callable, x: Any) -> tuple[np.ndarray, np.ndarray, int]:
+def traced_pattern(fn: Callable, x: Any, args: tuple = ()) -> tuple[np.ndarray, np.ndarray, int]:
     """The `(rows, cols, n)` of a superset of the nonzero entries of the Jacobian of
-    `fn` at `x` (flattened as `ravel_pytree` does), read from its traced operations.
-    Raises `DensePattern` when it is dense or too large to hold, and `ValueError`
-    when `fn` does not map `n` values to `n`."""
+    `fn(x, *args)` with respect to `x` (flattened as `ravel_pytree` does), read from
+    its traced operations, for every value of `args` (traced as unknowns).
+
+    What is traced is `fn`'s Jacobian-vector product (`jax.jvp`), so that a
+    `custom_jvp` rule counts as JAX differentiates it; a function with no forward
+    mode (`custom_vjp`, host callbacks) is traced itself. Raises `DensePattern` when
+    the pattern is too large to hold, and `ValueError` when `fn` does not map `n`
+    values to `n`."""
     flat, unravel = ravel_pytree(x)
     n = flat.size
-    closed = jax.make_jaxpr(lambda v: ravel_pytree(fn(unravel(v)))[0])(
-        jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    spec = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    arg_specs = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args
     )
-    out_aval = closed.out_avals[0]
-    if out_aval.shape != (n,):
+    num_args = len(jax.tree_util.tree_leaves(arg_specs))
+
+    def flat_fn(v, a):
+        return ravel_pytree(fn(unravel(v), *a))[0]
+
+    out = jax.eval_shape(flat_fn, spec, arg_specs)
+    if out.shape != (n,):
         raise ValueError(
-            f"`fn` must return {n} values in all (as many as `x` holds), got {out_aval.shape}"
+            f"`fn` must return {n} values in all (as many as `x` holds), got {out.shape}"
         )
     identity = _Deps(n, np.arange(n), np.arange(n), clean=True)
-    (out,), _ = _Tracer(n).run(closed.jaxpr, list(closed.consts), [identity], [None])
+    try:
+        closed = jax.make_jaxpr(lambda v, t, a: jax.jvp(lambda v: flat_fn(v, a), (v,), (t,))[1])(
+            spec, spec, arg_specs
+        )
+        in_deps = [_Deps.empty(n), identity]
+    except Exception:  # noqa: BLE001 - no forward mode: the function itself
+        closed = jax.make_jaxpr(flat_fn)(spec, arg_specs)
+        in_deps = [identity]
+    in_deps += [None] * num_args
+    (out,), _ = _Tracer(n).run(closed.jaxpr, list(closed.consts), in_deps, [None] * len(in_deps))
     if out is None:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), n
     return out.rows, out.cols, n

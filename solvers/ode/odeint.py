@@ -253,7 +253,9 @@ def odeint(
     y_flat, unravel = ravel_pytree(y0)
     m = _with_mass_matrix(m, mass_matrix, y_flat.size, adjoint, dense)
     if linear_solver is None and not isinstance(adjoint, BacksolveAdjoint):
-        m = _default_stage_solver(m, lambda v: func(unravel(v), t[0], *args), y_flat)
+        m = _default_stage_solver(
+            m, lambda v, s, *a: func(unravel(v), s, *a), y_flat, (t[0], *args), jac is not None
+        )
     tdt = jnp.finfo(y_flat.dtype).dtype
     t = _check_times(t, tdt)
     if dense and t.shape[0] != 2:
@@ -359,19 +361,25 @@ DENSE_STAGE_MAX_STATES = 1000
 SPARSE_STAGE_MAX_BAND = 1 / 8
 
 
-def _default_stage_solver(method: AbstractMethod, field: Callable, y: jax.Array) -> AbstractMethod:
+def _default_stage_solver(
+    method: AbstractMethod, field: Callable, y: jax.Array, args: tuple, has_jac: bool
+) -> AbstractMethod:
     """The stage solver of an implicit method left to its default: dense up to
     `DENSE_STAGE_MAX_STATES` states. Above, an `n x n` matrix from `n` products and an
     `O(n^3)` factorisation per refresh dominate everything else, so the pattern of the
-    Jacobian is traced from the operations of `field` (and joined with the mass
-    matrix's entries) and, if its reordered band is narrow, the stages are solved by
-    `Sparse` on it; otherwise the dense solve stays, with a warning."""
+    Jacobian is traced from the operations of `field(y, t, *args)` (for every `t` and
+    `args`: they are traced as unknowns) and joined with the mass matrix's entries;
+    if its reordered band is narrow, the stages are solved by `Sparse` on it.
+    Otherwise (or with a user `jac`, whose pattern is not traced) the dense solve
+    stays, with a warning."""
     n = y.size
     if n <= DENSE_STAGE_MAX_STATES or not isinstance(getattr(method, "linear_solver", None), Dense):
         return method
     why = None
     try:
-        pattern = sparsity_pattern(field, y, method="trace")
+        if has_jac:
+            raise ValueError("the Jacobian comes from `jac`, whose pattern is not traced")
+        pattern = sparsity_pattern(field, y, method="trace", args=args)
     except ValueError as e:
         why = str(e)
     except Exception as e:  # noqa: BLE001 - a field the tracer cannot follow

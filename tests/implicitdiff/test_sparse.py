@@ -226,3 +226,71 @@ def test_bad_patterns():
         linear_solve.SparsityPattern((np.array([0, 5]), np.array([0, 1])), size=3)
     with pytest.raises(ValueError, match=r"`pattern` is for 3 unknowns but the system has 4"):
         linear_solve.Sparse(np.eye(3, dtype=bool))(lambda v: v, jnp.ones(4))
+
+
+def _copies_operator(sizes, seed=0):
+    """A block-diagonal operator: independent groups of the given sizes, their
+    unknowns scattered through the vector by a fixed permutation."""
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    perm = rng.permutation(n)
+    mats, groups, start = [], [], 0
+    for s in sizes:
+        mats.append(jnp.asarray(rng.normal(size=(s, s)) + 3 * np.eye(s)))
+        groups.append(perm[start : start + s])
+        start += s
+
+    def operator(v):
+        out = jnp.zeros_like(v)
+        for m, g in zip(mats, groups, strict=True):
+            out = out.at[g].add(m @ v[g])
+        return out
+
+    dense = np.zeros((n, n))
+    for m, g in zip(mats, groups, strict=True):
+        dense[np.ix_(g, g)] = np.asarray(m)
+    return operator, dense, n
+
+
+@pytest.mark.parametrize("sizes", [[3] * 7, [1, 2, 3, 8, 2], [1] * 5])
+def test_independent_groups_are_solved_as_blocks(x64, sizes):
+    """Groups of at most `BLOCK_MAX` unknowns in any order are stored as dense blocks
+    (padded to the largest) and solved, in both directions, as `numpy.linalg.solve`
+    does; the gradient goes through the operator."""
+    operator, dense, n = _copies_operator(sizes)
+    solver = linear_solve.Sparse(np.abs(dense) > 0)
+    assert solver.pattern.blocks.shape == (len(sizes), max(sizes))
+    b = jnp.asarray(np.random.default_rng(1).normal(size=n))
+    np.testing.assert_allclose(solver(operator, b), np.linalg.solve(dense, b), rtol=1e-12)
+    state = solver.init(operator, b)
+    np.testing.assert_allclose(
+        solver.transpose_solve(state, b), np.linalg.solve(dense.T, b), rtol=1e-12
+    )
+    grad = jax.grad(lambda b: jnp.sum(jnp.sin(solver(operator, b))))(b)
+    expected = np.linalg.solve(dense.T, np.cos(np.linalg.solve(dense, b)))
+    np.testing.assert_allclose(grad, expected, rtol=1e-12)
+    # Batched right-hand sides and matrices.
+    scaled = lambda s: linear_solve.Sparse(solver.pattern)(lambda v: s * operator(v), b)  # noqa: E731
+    out = jax.vmap(scaled)(jnp.array([1.0, 2.0]))
+    np.testing.assert_allclose(out[1], np.linalg.solve(2 * dense, b), rtol=1e-12)
+
+
+def test_blocks_need_small_independent_groups():
+    """One group of more than `BLOCK_MAX` unknowns, or a single group, keeps the band
+    storage."""
+    assert linear_solve.SparsityPattern(np.abs(_copies_operator([3, 9])[1]) > 0).blocks is None
+    assert linear_solve.SparsityPattern(np.ones((4, 4), bool)).blocks is None
+    assert "blocks=(2, 3)" in repr(
+        linear_solve.SparsityPattern(np.kron(np.eye(2), np.ones((3, 3))))
+    )
+
+
+def test_blocks_missing_entries_raise(x64):
+    operator, dense, n = _copies_operator([3, 3, 3])
+    pattern = np.abs(dense) > 0
+    rows, cols = np.nonzero(pattern & ~np.eye(n, dtype=bool))
+    pattern[rows[0], cols[0]] = False  # an entry of a block left out
+    solver = linear_solve.Sparse(pattern)
+    assert solver.pattern.blocks is not None
+    with pytest.raises(Exception, match=r"outside the given sparsity pattern"):
+        solver(operator, jnp.ones(n))

@@ -178,3 +178,52 @@ def test_sparse_solve_on_a_traced_pattern(x64):
     np.testing.assert_allclose(sparse(operator, b), linear_solve.Dense()(operator, b), rtol=1e-12)
     grad = lambda solver: jax.grad(lambda b: jnp.sum(solver(operator, b) ** 2))(b)  # noqa: E731
     np.testing.assert_allclose(grad(sparse), grad(linear_solve.Dense()), rtol=1e-12)
+
+
+@jax.custom_jvp
+def _straight_through(v):
+    return jnp.round(v)
+
+
+_straight_through.defjvp(lambda p, t: (_straight_through(p[0]), t[0]))
+SHIFT = np.eye(6, k=1)
+
+EXACT_MORE = {
+    "padding with a traced value": (
+        lambda y: jnp.pad(y[:4], (0, 1), constant_values=y[0]) * y,
+        jnp.ones(5),
+    ),
+    "reshape with dimensions": (
+        lambda y: jax.lax.reshape(y.reshape(3, 4), (12,), dimensions=(1, 0)) ** 2,
+        jnp.ones(12),
+    ),
+    "tile": (lambda y: jnp.tile(y[:2], 2) * y, jnp.ones(4)),
+    "custom_jvp rule (straight-through)": (lambda y: _straight_through(y[::-1]), jnp.ones(5)),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT_MORE))
+def test_traced_pattern_follows_what_jax_differentiates(x64, name):
+    """Padding values, transposing reshapes, tiling, and the rule of a `custom_jvp`
+    (the Jacobian JAX computes comes from it, not from the primal)."""
+    fn, x = EXACT_MORE[name]
+    traced, diagonal = _traced(fn, x)
+    assert traced - diagonal == _evaluated(fn, x) - diagonal
+
+
+def test_traced_pattern_holds_for_every_value_of_args(x64):
+    """`args` are traced as unknowns: a coefficient that is zero now still couples;
+    a value closed over is a constant."""
+    fn = lambda y, t: -y + (t * SHIFT) @ y  # noqa: E731
+    pattern = linear_solve.sparsity_pattern(fn, jnp.ones(6), method="trace", args=(0.0,))
+    assert pattern.nnz == 11
+    closed = linear_solve.sparsity_pattern(lambda y: fn(y, 0.0), jnp.ones(6), method="trace")
+    assert closed.nnz == 6
+    probed = linear_solve.sparsity_pattern(fn, jnp.ones(6), args=(1.0,))
+    assert probed.nnz == 11
+
+
+def test_traced_pattern_with_random_keys(x64):
+    key = jax.random.key(0)
+    fn = lambda y: y * jax.random.normal(key, y.shape) + jnp.roll(y, 1)  # noqa: E731
+    assert linear_solve.sparsity_pattern(fn, jnp.ones(5), method="trace").nnz == 10

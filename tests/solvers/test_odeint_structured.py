@@ -208,6 +208,7 @@ def test_sparse_stage_solves_on_copies_stored_field_by_field(x64, method):
     pattern = linear_solve.sparsity_pattern(lambda y: rober(y, 0.0, k0), y0)
     sparse = linear_solve.Sparse(pattern, throw=False)
     assert sparse.pattern.num_colours == 3 and sparse.pattern.lower <= 2
+    assert sparse.pattern.blocks.shape == (copies, 3)  # factored block by block
 
     def run(k, solver):
         return odeint(
@@ -240,9 +241,10 @@ def test_default_stage_solver_by_size(x64):
 
     n = DENSE_STAGE_MAX_STATES + 2
     bdf = resolve_method("odeint", "bdf")
-    small = _default_stage_solver(bdf, _line, jnp.ones(n - 2))
+    line = lambda y, t: _line(y)  # noqa: E731
+    small = _default_stage_solver(bdf, line, jnp.ones(n - 2), (0.0,), False)
     assert isinstance(small.linear_solver, linear_solve.Dense)
-    chosen = _default_stage_solver(bdf, _line, jnp.ones(n)).linear_solver
+    chosen = _default_stage_solver(bdf, line, jnp.ones(n), (0.0,), False).linear_solver
     assert isinstance(chosen, linear_solve.Sparse) and not chosen.throw
     assert chosen.pattern == linear_solve.sparsity_pattern(_line, jnp.ones(n), method="probe")
     assert (chosen.pattern.lower, chosen.pattern.upper) == (2, 2)
@@ -250,7 +252,8 @@ def test_default_stage_solver_by_size(x64):
     mass = np.eye(n)
     mass[0, n - 1] = 1.0
     with_mass = dataclasses.replace(bdf, mass_matrix=MassMatrix(mass, n))
-    pattern = _default_stage_solver(with_mass, _line, jnp.ones(n)).linear_solver.pattern
+    pattern = _default_stage_solver(with_mass, line, jnp.ones(n), (0.0,), False)
+    pattern = pattern.linear_solver.pattern
     assert (0, n - 1) in set(zip(pattern.rows.tolist(), pattern.cols.tolist()))
 
 
@@ -326,3 +329,20 @@ def test_bad_jac_and_linear_solver_arguments(x64):
         odeint(f, y0, ts, method="bdf", linear_solver=band, adjoint="backsolve")
     with pytest.raises(ValueError, match=r"odeint: `linear_solver` must be"):
         odeint(f, y0, ts, method="rodas5p", linear_solver="nope")
+
+
+def test_default_stage_solver_pattern_holds_at_every_time(x64):
+    """The pattern is traced with `t` (and `args`) unknown: a coupling whose coefficient
+    vanishes at `t[0]` is kept, and the default sparse solve matches the band."""
+    import warnings
+
+    n = 1002
+    shift = np.eye(n, k=1)
+    func = lambda y, t: -y + (t * shift) @ y  # noqa: E731
+    ts = jnp.array([0.0, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ys = odeint(func, jnp.ones(n), ts, method="radau5", rtol=1e-6, atol=1e-8)
+    band = linear_solve.Banded(0, 1, throw=False)
+    yb = odeint(func, jnp.ones(n), ts, method="radau5", rtol=1e-6, atol=1e-8, linear_solver=band)
+    np.testing.assert_allclose(ys, yb, rtol=1e-12, atol=1e-14)
