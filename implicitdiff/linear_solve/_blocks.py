@@ -17,11 +17,12 @@ __all__ = ["BLOCK_MAX", "block_lu", "block_lu_solve", "block_mismatch", "small_c
 BLOCK_MAX = 8
 
 
-def small_components(adjacency: list[np.ndarray], largest: int) -> np.ndarray | None:
+def small_components(adjacency: list[np.ndarray], largest: int, nnz: int) -> np.ndarray | None:
     """The connected parts of the graph with these adjacency lists as the rows of an
     array `(parts, size)` (each part's unknowns in increasing order, padded with
-    `-1`), or None when one part has more than `largest` unknowns or there is only
-    one part."""
+    `-1`), or None when one part has more than `largest` unknowns, when there is only
+    one part, or when padding every part to the largest would store more than four
+    times the `nnz` entries (one large part among many single unknowns)."""
     n = len(adjacency)
     label = np.full(n, -1, np.int64)
     parts: list[list[int]] = []
@@ -42,9 +43,12 @@ def small_components(adjacency: list[np.ndarray], largest: int) -> np.ndarray | 
     if len(parts) < 2:
         return None
     size = max(len(p) for p in parts)
+    if len(parts) * size * size > 4 * nnz:
+        return None
     blocks = np.full((len(parts), size), -1, np.int64)
     for k, p in enumerate(parts):
         blocks[k, : len(p)] = p
+    blocks.setflags(write=False)
     return blocks
 
 
@@ -77,9 +81,12 @@ def block_lu_solve(factors, b: jax.Array, blocks: np.ndarray, trans: int) -> jax
     size = lu.shape[-1]
     x = _gather(b, blocks)
     col = lambda v, i: v[:, i]  # noqa: E731
+    # The permutations as products with one-hot matrices, at full precision (a
+    # float32 product on an accelerator may otherwise round its operands).
+    exact = jax.lax.Precision.HIGHEST
     if trans == 0:
         # L U x = P b: forward with the unit lower triangle, back with the upper.
-        v = jnp.einsum("kij,kj->ki", onehot, x)
+        v = jnp.einsum("kij,kj->ki", onehot, x, precision=exact)
         ys: list[jax.Array] = []
         for i in range(size):
             ys.append(col(v, i) - sum((lu[:, i, j] * ys[j] for j in range(i)), 0.0))
@@ -97,14 +104,14 @@ def block_lu_solve(factors, b: jax.Array, blocks: np.ndarray, trans: int) -> jax
         ws: list[jax.Array] = [jnp.zeros(0)] * size
         for i in reversed(range(size)):
             ws[i] = zs[i] - sum((lu[:, j, i] * ws[j] for j in range(i + 1, size)), 0.0)
-        out = jnp.einsum("kji,kj->ki", onehot, jnp.stack(ws, axis=1))
+        out = jnp.einsum("kji,kj->ki", onehot, jnp.stack(ws, axis=1), precision=exact)
     return _scatter(out, blocks, b.size)
 
 
 def block_mismatch(storage: jax.Array, exact: jax.Array, probe: jax.Array,
                    blocks: np.ndarray) -> jax.Array:  # fmt: skip
     """Whether the stored blocks miss entries of the operator (see `rows_differ`)."""
-    p = _gather(probe, blocks)
-    stored = _scatter(jnp.einsum("kij,kj->ki", storage, p), blocks, probe.size)
-    magnitude = jnp.einsum("kij,kj->ki", jnp.abs(storage), jnp.abs(p))
+    p = _gather(probe, blocks)[:, None, :]
+    stored = _scatter(jnp.sum(storage * p, axis=-1), blocks, probe.size)
+    magnitude = jnp.sum(jnp.abs(storage) * jnp.abs(p), axis=-1)
     return rows_differ(exact, stored, _scatter(magnitude, blocks, probe.size), storage.shape[-1])

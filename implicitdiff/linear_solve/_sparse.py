@@ -95,7 +95,7 @@ class SparsityPattern:
         self.cols.setflags(write=False)
         self._digest = hashlib.sha1(np.int64(n).tobytes() + flat.tobytes()).hexdigest()
         adjacency = _neighbours(n, self.rows, self.cols)
-        self.blocks = small_components(adjacency, BLOCK_MAX)
+        self.blocks = small_components(adjacency, BLOCK_MAX, self.rows.size)
         self.order = _reverse_cuthill_mckee(n, adjacency)
         self.position = np.empty(n, np.int64)
         self.position[self.order] = np.arange(n)
@@ -244,7 +244,8 @@ class Sparse(BandLU):
     that gathers the entries into a narrow band. `init` then builds the matrix from
     one matvec per colour (a handful for a stencil or a reaction network, whatever the
     size) and factors the reordered matrix by band LU with partial pivoting (as
-    `Banded`); `solve` and `transpose_solve` reuse the factors.
+    `Banded`), or its blocks one by one (below); `solve` and `transpose_solve` reuse
+    the factors.
 
     Cost for `n` unknowns and reordered bandwidths `l`, `u` (`solver.pattern.lower`,
     `.upper`): `O(n (l + u)^2)` time to factor, `O(n (l + u))` per solve and memory.
@@ -281,7 +282,7 @@ class Sparse(BandLU):
         pattern = linear_solve.sparsity_pattern(operator, jnp.zeros(6))
         solver = linear_solve.Sparse(pattern)
         x = solver(operator, jnp.ones(6))  # [0.75, 0.75, 0.75, 0.5, 0.5, 0.5]
-        print(solver.pattern)  # reordered: lower=0, upper=1
+        print(solver.pattern)  # three independent pairs: blocks=(3, 2)
         ```
     """
 

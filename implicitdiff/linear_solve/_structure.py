@@ -488,7 +488,8 @@ class _Tracer:
 
 class _Mask:
     """What is known of a value computed without the input but from unknown values:
-    where it may be nonzero."""
+    where it may be nonzero (a product with a zero, or a zero divided, counts as zero
+    even where the other operand is infinite or not a number)."""
 
     __slots__ = ("mask",)
 
@@ -548,6 +549,25 @@ def _nonzero_mask(eqn, in_vals, in_avals, out_aval) -> np.ndarray | None:
     return None
 
 
+# Operations whose forward mode is not their own (a `custom_vjp`'s linearisation):
+# a jaxpr holding one is traced through the function itself instead.
+_NO_FORWARD = frozenset({"custom_lin", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _holds(jaxpr, names: frozenset) -> bool:
+    """Whether `jaxpr` or a jaxpr nested in its equations' params has an operation
+    named in `names`."""
+    for eqn in jaxpr_parts(jaxpr)[2]:
+        if eqn.primitive.name in names:
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and _holds(inner, names):
+                    return True
+    return False
+
+
 def _pairs(d: _Deps, out_rows: np.ndarray, elems: np.ndarray, size: int) -> _Deps:
     """Output `out_rows[k]` depends on whatever element `elems[k]` of `d` does."""
     taken = d.take(elems)  # row k: element elems[k]'s dependencies
@@ -601,6 +621,8 @@ def traced_pattern(fn: Callable, x: Any, args: tuple = ()) -> tuple[np.ndarray, 
             spec, spec, arg_specs
         )
         in_deps = [_Deps.empty(n), identity]
+        if _holds(closed.jaxpr, _NO_FORWARD):
+            raise ValueError("no forward mode")
     except Exception:  # noqa: BLE001 - no forward mode: the function itself
         closed = jax.make_jaxpr(flat_fn)(spec, arg_specs)
         in_deps = [identity]

@@ -294,3 +294,11 @@ def test_blocks_missing_entries_raise(x64):
     assert solver.pattern.blocks is not None
     with pytest.raises(Exception, match=r"outside the given sparsity pattern"):
         solver(operator, jnp.ones(n))
+
+
+def test_blocks_are_not_padded_far_past_the_entries():
+    """One group of 8 among many single unknowns would pad every block to 8 x 8: the
+    band storage is kept."""
+    mask = np.eye(200, dtype=bool)
+    mask[:8, :8] = True
+    assert linear_solve.SparsityPattern(mask).blocks is None

@@ -227,3 +227,17 @@ def test_traced_pattern_with_random_keys(x64):
     key = jax.random.key(0)
     fn = lambda y: y * jax.random.normal(key, y.shape) + jnp.roll(y, 1)  # noqa: E731
     assert linear_solve.sparsity_pattern(fn, jnp.ones(5), method="trace").nnz == 10
+
+
+@jax.custom_vjp
+def _rolled_twice(y):
+    return jnp.roll(y, 1) * 2
+
+
+_rolled_twice.defvjp(lambda y: (_rolled_twice(y), None), lambda r, g: (jnp.roll(g, -1) * 2,))
+
+
+def test_traced_pattern_through_a_custom_vjp(x64):
+    """A `custom_vjp` has no forward mode of its own: the function itself is traced."""
+    fn = lambda y: _rolled_twice(y) + y  # noqa: E731
+    assert linear_solve.sparsity_pattern(fn, jnp.ones(12), method="trace").nnz == 24
