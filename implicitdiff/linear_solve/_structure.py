@@ -1,10 +1,11 @@
 """The sparsity pattern of a Jacobian read from the operations of a function.
 
-`traced_pattern(fn, x)` traces `fn` to a jaxpr (shapes only: it works on tracers, under
-`jax.jit` and `jax.vmap`) and follows, equation by equation, which entries of `x` each
-element of each intermediate value can depend on. The result is a superset of the
-nonzero entries of the Jacobian at every point, never a sample of one point: an entry
-is left out only when no chain of operations links the output to the input.
+`traced_pattern(fn, x, args)` traces the Jacobian-vector product of `fn` to a jaxpr
+(shapes only: it works on tracers, under `jax.jit` and `jax.vmap`; `args` are unknowns)
+and follows, equation by equation, which entries of the tangent each element of each
+intermediate value can depend on. The result is a superset of the nonzero entries of
+the Jacobian at every point, never a sample of one point: an entry is left out only
+when no chain of operations links the output to the input.
 
 Each floating-point value holds its dependencies as a list of pairs `(element, input)`
 (`_Deps`). The rules, by kind of operation:
@@ -20,14 +21,16 @@ Each floating-point value holds its dependencies as a list of pairs `(element, i
 - reductions and `dot_general`: the union over the elements combined (with a constant
   operand of `dot_general`, only its nonzero entries couple);
 - `cumsum`, `sort` and the like: the union along the axis;
-- nested jaxprs (`jit`, `custom_jvp`, `custom_vjp`, `checkpoint`, `cond`): followed
-  inside;
+- nested jaxprs (`jit`, `checkpoint`, `cond`): followed inside;
 - anything else (loops, linear algebra, unknown operations): every output element
   depends on everything any operand depends on.
 
 Values computed from constants alone are evaluated (so an index array built from a
-NumPy constant is known). A pattern that would hold more than `_MAX_ENTRIES` pairs in
-one value stops the trace as dense (`DensePattern`).
+NumPy constant is known), and of values computed from unknowns (`t * A`) it is kept
+where they may be nonzero (`_Mask`). A function with no forward mode of its own (a
+`custom_vjp`) is traced itself instead of its Jacobian-vector product. A pattern that
+would hold more than `_MAX_ENTRIES` pairs in one value stops the trace as dense
+(`DensePattern`).
 """
 
 from __future__ import annotations
