@@ -227,3 +227,42 @@ def test_float32():
     ref = scipy_solve_bvp(fun_np, lambda a, b: np.array([a[0], b[0]]), x, np.zeros((2, 5)),
                           tol=1e-8)  # fmt: skip
     np.testing.assert_allclose(res.sol(np.float32([0.3, 0.5])), ref.sol([0.3, 0.5]), atol=1e-3)
+
+
+def test_singular_jacobian_is_reported_as_scipy_does(x64):
+    """The same boundary condition twice: the collocation Jacobian is singular
+    (status 2, as SciPy's)."""
+    fun, fun_np, _ = bratu(1.0)
+    x, y = np.linspace(0, 1, 5), np.zeros((2, 5))
+    res = solve_bvp(fun, lambda a, b: jnp.stack([a[0], a[0]]), x, y, throw=False)
+    ref = scipy_solve_bvp(fun_np, lambda a, b: np.array([a[0], a[0]]), x, y)
+    assert int(res.status) == ref.status == 2 and not bool(res.success)
+
+
+def test_vmap_over_problems_that_refine_differently(x64):
+    """Bratu at three values of lam needs 17, 29 and 81 nodes: under `vmap` each keeps
+    its own mesh, equal to its own solve and to SciPy's."""
+    x, y = np.linspace(0, 1, 5), np.zeros((2, 5))
+
+    def run(lam):
+        return solve_bvp(bratu(lam)[0], bratu(lam)[2], x, y, tol=1e-6, max_nodes=200)
+
+    lams = (0.5, 1.0, 3.0)
+    batched = jax.vmap(run)(jnp.array(lams))
+    for i, lam in enumerate(lams):
+        alone = run(lam)
+        ref = scipy_solve_bvp(bratu(lam)[1], lambda a, b: np.array([a[0], b[0]]), x, y, tol=1e-6)
+        m = int(alone.num_nodes)
+        assert int(batched.num_nodes[i]) == m == ref.x.size
+        np.testing.assert_allclose(batched.y[i], alone.y, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(alone.y[:, :m], ref.y, rtol=0, atol=1e-12)
+
+
+def test_sol_outside_the_interval_extends_the_end_pieces(x64):
+    """`sol` beyond the ends evaluates the first and last cubic pieces, as SciPy's."""
+    fun, fun_np, bc = bratu(1.0)
+    x, y = np.linspace(0, 1, 5), np.zeros((2, 5))
+    res = solve_bvp(fun, bc, x, y, tol=1e-6)
+    ref = scipy_solve_bvp(fun_np, lambda a, b: np.array([a[0], b[0]]), x, y, tol=1e-6)
+    xs = np.array([-0.2, 1.0, 1.1, 1.3])
+    np.testing.assert_allclose(res.sol(xs), ref.sol(xs), rtol=0, atol=1e-12)
