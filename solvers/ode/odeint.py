@@ -152,9 +152,10 @@ def odeint(
             singular stage matrix then rejects the step instead of raising. The
             default is `Dense` up to `DENSE_STAGE_MAX_STATES` (1000) states; above,
             `Sparse` on the pattern of the Jacobian traced from the operations of
-            `func` (`linear_solve.sparsity_pattern(..., method="trace")`, with the
-            mass matrix's entries), or `Dense` with a warning when that pattern has
-            no narrow band after reordering.
+            `func` (`linear_solve.sparsity_pattern(..., method="trace")` with `t`
+            and `args` unknown, so that it holds at every time, and the mass
+            matrix's entries), or `Dense` with a warning when that pattern has no
+            narrow band after reordering or `jac` is given.
         mass_matrix: the constant matrix `M` of a differential-algebraic system `M
             y' = func(y, t, *args)`, `(n, n)` or its diagonal `(n,)` on the flattened
             state (as `jac`), a concrete array. A singular `M` makes algebraic
