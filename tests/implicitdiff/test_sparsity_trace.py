@@ -241,3 +241,51 @@ def test_traced_pattern_through_a_custom_vjp(x64):
     """A `custom_vjp` has no forward mode of its own: the function itself is traced."""
     fn = lambda y: _rolled_twice(y) + y  # noqa: E731
     assert linear_solve.sparsity_pattern(fn, jnp.ones(12), method="trace").nnz == 24
+
+
+# Random compositions of the operations the tracer follows, each checked to hold every
+# entry of the evaluated Jacobian.
+_UNARY = [
+    lambda v: jnp.sin(v),
+    lambda v: v**2,
+    lambda v: jnp.roll(v, 3),
+    lambda v: v[::-1],
+    lambda v: jnp.cumsum(v),
+    lambda v: jnp.pad(v[2:], (1, 1), constant_values=v[0]),
+    lambda v: v.reshape(3, 4).T.reshape(-1),
+    lambda v: v[INDEX_12] * 2.0,
+    lambda v: jnp.tile(v[:6], 2),
+    lambda v: jnp.where(v > 0.5, v, jnp.exp(v)),
+    lambda v: jnp.asarray(MASK_12, float) @ v,
+    lambda v: v.reshape(2, 6).sum(0).repeat(2),
+    lambda v: jnp.zeros(12).at[INDEX_12[:5]].add(v[:5]) + v,
+    lambda v: jax.lax.dynamic_slice(jnp.concatenate([v, v]), (5,), (12,)),
+    lambda v: jax.nn.softplus(v),
+]
+_BINARY = [
+    lambda a, b: a * b,
+    lambda a, b: a + jnp.roll(b, -1),
+    lambda a, b: jnp.maximum(a, b[::-1]),
+    lambda a, b: jnp.concatenate([a[:6], b[6:]]),
+    lambda a, b: a / (1.5 + jnp.cos(b)),
+]
+INDEX_12 = np.random.default_rng(2).integers(0, 12, 12)
+MASK_12 = np.random.default_rng(3).random((12, 12)) < 0.2
+
+
+def _random_function(rng, depth):
+    if depth == 0:
+        return lambda v: v
+    if rng.random() < 0.6:
+        inner, op = _random_function(rng, depth - 1), _UNARY[rng.integers(len(_UNARY))]
+        return lambda v: op(inner(v))
+    left, right = _random_function(rng, depth - 1), _random_function(rng, depth - 1)
+    op = _BINARY[rng.integers(len(_BINARY))]
+    return lambda v: op(left(v), right(v))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_compositions_hold_every_entry(x64, seed):
+    fn = _random_function(np.random.default_rng(seed), 3)
+    traced, _ = _traced(fn, jnp.ones(12))
+    assert _evaluated(fn, jnp.ones(12)) <= traced
