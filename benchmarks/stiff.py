@@ -56,7 +56,7 @@ from benchmarks._env import cpus, loadavg  # noqa: E402
 from benchmarks._timing import fmt, interleaved, ratio, sci  # noqa: E402
 from benchmarks._workers import write_report  # noqa: E402
 from solvers import odeint  # noqa: E402
-from solvers.ode.odeint import DENSE_STAGE_MAX_STATES  # noqa: E402
+from solvers.ode.odeint import SPARSE_STAGE_MIN_STATES  # noqa: E402
 from tests.solvers.stiff_problems import PROBLEMS, bruss, hires, orego, rober, vdpol  # noqa: E402
 
 NAME = "stiff"
@@ -566,7 +566,7 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
     for m in OURS:
         name = f"ours ({m}, {prob.structure})"
         solves[name], losses[name] = ours_large(prob, m)
-    if prob.y0.size > DENSE_STAGE_MAX_STATES:
+    if prob.y0.size > SPARSE_STAGE_MIN_STATES:
         # No solver given: odeint traces the pattern from `f` and picks Sparse.
         solves["ours (bdf, default)"], _ = ours_large(prob, "bdf", default=True)
     if prob.y0.size <= 256:  # a dense LU per step: beyond this diffrax takes minutes
@@ -696,10 +696,11 @@ def render(results, tols, mode: str, seconds: float, loads, large=()) -> str:
             "`jac_sparsity` (sparse finite-difference Jacobians, sparse LU), LSODA with "
             "its band options (a dense Jacobian on the 2-D grid, for which it has no "
             "sparse option); diffrax (dense LU) only where it finishes in seconds. "
-            "N x ROBER: identical copies. `ours (bdf, default)` (above "
-            f"{DENSE_STAGE_MAX_STATES} states) is given no `linear_solver`: `odeint` traces "
-            "the Jacobian's pattern from the operations of `f` and solves with `Sparse` on "
-            "it.",
+            "N x ROBER: identical copies. `ours (bdf, default)` is given no "
+            "`linear_solver`: above "
+            f"{SPARSE_STAGE_MIN_STATES} states `odeint` traces the Jacobian's pattern from "
+            "the operations of `f` and solves with `Sparse` on it (so do the rows of ours "
+            "on BRUSS 64 above, which give no solver).",
             "",
         ]
     for prob, rows in large:

@@ -150,12 +150,13 @@ def odeint(
             band LU after reordering), or `"gmres"`/`"bicgstab"` (matrix-free, for
             very large systems). Build it with `throw=False`, as the default is: a
             singular stage matrix then rejects the step instead of raising. The
-            default is `Dense` up to `DENSE_STAGE_MAX_STATES` (1000) states; above,
+            default is `Dense` up to `SPARSE_STAGE_MIN_STATES` (100) states; above,
             `Sparse` on the pattern of the Jacobian traced from the operations of
             `func` (`linear_solve.sparsity_pattern(..., method="trace")` with `t`
             and `args` unknown, so that it holds at every time, and the mass
-            matrix's entries), or `Dense` with a warning when that pattern has no
-            narrow band after reordering or `jac` is given.
+            matrix's entries) when that pattern has a narrow band after
+            reordering, else `Dense`, which warns above `DENSE_STAGE_MAX_STATES`
+            (1000) states (and with `jac` given).
         mass_matrix: the constant matrix `M` of a differential-algebraic system `M
             y' = func(y, t, *args)`, `(n, n)` or its diagonal `(n,)` on the flattened
             state (as `jac`), a concrete array. A singular `M` makes algebraic
@@ -354,8 +355,10 @@ def _check_jac(out: Any, y_flat: Any) -> None:
 
 
 #: Above this many states, an implicit method left to its default stage solver solves
-#: with the sparsity pattern traced from `func` (`linear_solve.Sparse`), or warns when
-#: there is none to use.
+#: with the sparsity pattern traced from `func` (`linear_solve.Sparse`) when it has a
+#: narrow band: the matrix then costs a few coloured products instead of `n`.
+SPARSE_STAGE_MIN_STATES = 100
+#: Above this many states, a default stage solve that stays dense warns.
 DENSE_STAGE_MAX_STATES = 1000
 #: The default sparse stage solver is used when the reordered band holds at most this
 #: fraction of the unknowns (a wider band factors about as slowly as a dense matrix).
@@ -366,15 +369,17 @@ def _default_stage_solver(
     method: AbstractMethod, field: Callable, y: jax.Array, args: tuple, has_jac: bool
 ) -> AbstractMethod:
     """The stage solver of an implicit method left to its default: dense up to
-    `DENSE_STAGE_MAX_STATES` states. Above, an `n x n` matrix from `n` products and an
-    `O(n^3)` factorisation per refresh dominate everything else, so the pattern of the
-    Jacobian is traced from the operations of `field(y, t, *args)` (for every `t` and
-    `args`: they are traced as unknowns) and joined with the mass matrix's entries;
-    if its reordered band is narrow, the stages are solved by `Sparse` on it.
-    Otherwise (or with a user `jac`, whose pattern is not traced) the dense solve
-    stays, with a warning."""
+    `SPARSE_STAGE_MIN_STATES` states. Above, building the matrix from `n` products and
+    factoring it in `O(n^3)` dominate more and more, so the pattern of the Jacobian is
+    traced from the operations of `field(y, t, *args)` (for every `t` and `args`:
+    they are traced as unknowns) and joined with the mass matrix's entries; if its
+    reordered band is narrow, the stages are solved by `Sparse` on it. Otherwise (or
+    with a user `jac`, whose pattern is not traced) the dense solve stays, with a
+    warning above `DENSE_STAGE_MAX_STATES` states."""
     n = y.size
-    if n <= DENSE_STAGE_MAX_STATES or not isinstance(getattr(method, "linear_solver", None), Dense):
+    if n <= SPARSE_STAGE_MIN_STATES or not isinstance(
+        getattr(method, "linear_solver", None), Dense
+    ):
         return method
     why = None
     try:
@@ -395,6 +400,8 @@ def _default_stage_solver(
         if width <= SPARSE_STAGE_MAX_BAND * n:
             return dataclasses.replace(method, linear_solver=Sparse(pattern, throw=False))
         why = f"the band of its Jacobian's pattern is {width} wide after reordering"
+    if n <= DENSE_STAGE_MAX_STATES:
+        return method
     warnings.warn(
         f"odeint: method={method.name!r} with {n} states builds and factors a dense "
         f"{n} x {n} stage matrix (O(n^3) work per factorisation); the default sparse "

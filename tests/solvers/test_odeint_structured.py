@@ -233,13 +233,16 @@ def _line(y):
 
 
 def test_default_stage_solver_by_size(x64):
-    """Up to `DENSE_STAGE_MAX_STATES` states the default stays dense; above, it is
-    `Sparse` on the pattern traced from `func` (with a mass matrix's entries)."""
+    """Up to `SPARSE_STAGE_MIN_STATES` states the default stays dense; above, it is
+    `Sparse` on the pattern traced from `func` (with a mass matrix's entries), or
+    dense without a warning up to `DENSE_STAGE_MAX_STATES` when there is no band."""
+    import warnings
+
     from solvers.ode.mass import MassMatrix
     from solvers.ode.methods import resolve_method
-    from solvers.ode.odeint import DENSE_STAGE_MAX_STATES, _default_stage_solver
+    from solvers.ode.odeint import SPARSE_STAGE_MIN_STATES, _default_stage_solver
 
-    n = DENSE_STAGE_MAX_STATES + 2
+    n = SPARSE_STAGE_MIN_STATES + 2
     bdf = resolve_method("odeint", "bdf")
     line = lambda y, t: _line(y)  # noqa: E731
     small = _default_stage_solver(bdf, line, jnp.ones(n - 2), (0.0,), False)
@@ -255,6 +258,13 @@ def test_default_stage_solver_by_size(x64):
     pattern = _default_stage_solver(with_mass, line, jnp.ones(n), (0.0,), False)
     pattern = pattern.linear_solver.pattern
     assert (0, n - 1) in set(zip(pattern.rows.tolist(), pattern.cols.tolist()))
+    # A dense Jacobian of a few hundred states: dense, silently.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dense = _default_stage_solver(
+            bdf, lambda y, t: y * jnp.sum(y), jnp.ones(300), (0.0,), False
+        )
+    assert isinstance(dense.linear_solver, linear_solve.Dense)
 
 
 def test_default_stage_solver_on_a_large_system(x64):
@@ -293,9 +303,7 @@ def test_a_large_system_without_sparse_structure_warns():
     n = DENSE_STAGE_MAX_STATES + 1
     big = jnp.ones(n)
     mean_field = lambda y, t: -y + jnp.mean(y)  # noqa: E731
-    with pytest.warns(
-        UserWarning, match=r"dense 1001 x 1001 stage matrix.*dense as traced.*Sparse"
-    ):
+    with pytest.warns(UserWarning, match=rf"dense {n} x {n} stage matrix.*dense as traced.*Sparse"):
         jax.eval_shape(lambda y: odeint(mean_field, y, ts, method="bdf"), big)
     # Each state coupled to two others at random (a random graph, an expander): sparse,
     # but no narrow band in any order.
