@@ -10,7 +10,14 @@ import numpy as np
 
 from ._banded import rows_differ
 
-__all__ = ["BLOCK_MAX", "block_lu", "block_lu_solve", "block_mismatch", "small_components"]
+__all__ = [
+    "BLOCK_MAX",
+    "block_lu",
+    "block_lu_solve",
+    "block_mismatch",
+    "block_slots",
+    "small_components",
+]
 
 #: The largest block (unknowns) stored as its own dense matrix: the substitutions are
 #: unrolled, `block ** 2` operations each.
@@ -57,12 +64,17 @@ def _gather(x: jax.Array, blocks: np.ndarray) -> jax.Array:
     return jnp.concatenate([x, jnp.zeros(1, x.dtype)])[blocks]
 
 
-def _scatter(xb: jax.Array, blocks: np.ndarray, n: int) -> jax.Array:
-    """The inverse of `_gather`, by a gather: unknown `r` sits at `(part, slot)`."""
+def block_slots(blocks: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(part, slot)`: unknown `r` sits at `blocks[part[r], slot[r]]`."""
     part, slot = np.empty(n, np.int64), np.empty(n, np.int64)
     rows, cols = np.nonzero(blocks >= 0)
     part[blocks[rows, cols]], slot[blocks[rows, cols]] = rows, cols
-    return xb[part, slot]
+    return part, slot
+
+
+def _scatter(xb: jax.Array, blocks: np.ndarray, n: int) -> jax.Array:
+    """The inverse of `_gather`, by a gather."""
+    return xb[block_slots(blocks, n)]
 
 
 def block_lu(blocks: jax.Array):

@@ -18,7 +18,14 @@ from jax.flatten_util import ravel_pytree
 
 from ._banded import BandLU
 from ._base import PyTree
-from ._blocks import BLOCK_MAX, block_lu, block_lu_solve, block_mismatch, small_components
+from ._blocks import (
+    BLOCK_MAX,
+    block_lu,
+    block_lu_solve,
+    block_mismatch,
+    block_slots,
+    small_components,
+)
 from ._checks import as_arrays, check_throw
 from ._structure import DensePattern, traced_pattern
 
@@ -347,10 +354,8 @@ class Sparse(BandLU):
         values = compressed[p.colours[p.cols], p.rows]
         if p.blocks is not None:
             # One dense block per group, the identity on the padding.
-            parts, size = p.blocks.shape
-            part, slot = np.empty(n, np.int64), np.empty(n, np.int64)
-            k, s = np.nonzero(p.blocks >= 0)
-            part[p.blocks[k, s]], slot[p.blocks[k, s]] = k, s
+            size = p.blocks.shape[1]
+            part, slot = block_slots(p.blocks, n)
             pad = (p.blocks < 0)[:, :, None] * np.eye(size, dtype=bool)[None]
             blocks = jnp.asarray(pad, dtype)
             return blocks.at[part[p.rows], slot[p.rows], slot[p.cols]].set(values)

@@ -249,9 +249,6 @@ class _Tracer:
     """Walks one jaxpr: `deps` of the floating-point values, `known` values of those
     computed from constants."""
 
-    def __init__(self, n: int):
-        self.n = n
-
     def run(self, jaxpr, consts: Sequence[Any], in_deps: Sequence[_Deps | None],
             in_known: Sequence[Any]) -> tuple[list[_Deps | None], list[Any]]:  # fmt: skip
         invars, constvars, eqns, outvars, is_literal = jaxpr_parts(jaxpr)
@@ -395,16 +392,14 @@ class _Tracer:
         return None
 
     def _movement(self, eqn, name, in_deps, in_vals, in_avals, data, size):
-        # The moved operands' elements numbered one after another, from 1 (so that 0
-        # and below mean "no source", whatever fill value the operation uses).
-        counts = [math.prod(a.shape) for a in in_avals[:data]]
-        starts = np.cumsum([0, *counts])
-        arrays = [_positions(a.shape) + start for a, start in zip(in_avals[:data], starts)]
+        counts, starts, arrays = _numbered(in_avals[:data])
         moved = _move(name, eqn.params, arrays)
         if moved is None:  # dynamic_slice, gather, dynamic_update_slice: run it
             rest = in_vals[data:]
             if not all(map(_is_value, rest)):
                 return None
+            # Positions from 1 here, so that 0 and below mean "no source", whatever
+            # fill value the operation uses.
             int_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
             with jax.ensure_compile_time_eval():
                 ins = [jnp.asarray(x + 1, int_dtype) for x in arrays]
@@ -433,15 +428,15 @@ class _Tracer:
         n1, n2 = math.prod(ls[d] for d in lf), math.prod(rs[d] for d in rf)
         # Each operand as (batch, free, contracted) positions, and its structural
         # nonzeros (its value where known, else everywhere) in that layout.
-        lpos = np.transpose(_positions(ls), [*lb, *lf, *lc]).reshape(nb, n1, nk)
-        rpos = np.transpose(_positions(rs), [*rb, *rf, *rc]).reshape(nb, n2, nk)
-        masks = []
-        for v, a, order, shape in (
-            (in_vals[0], in_avals[0], [*lb, *lf, *lc], (nb, n1, nk)),
-            (in_vals[1], in_avals[1], [*rb, *rf, *rc], (nb, n2, nk)),
-        ):
-            mask = _mask_of(v, a.shape)
-            masks.append(np.transpose(mask, order).reshape(shape))
+        layouts = (([*lb, *lf, *lc], (nb, n1, nk)), ([*rb, *rf, *rc], (nb, n2, nk)))
+        lpos, rpos = (
+            np.transpose(_positions(a.shape), order).reshape(shape)
+            for a, (order, shape) in zip(in_avals, layouts)
+        )
+        masks = [
+            np.transpose(_mask_of(v, a.shape), order).reshape(shape)
+            for v, a, (order, shape) in zip(in_vals, in_avals, layouts)
+        ]
         parts = []
         for own, other, pos, d in ((0, 1, lpos, in_deps[0]), (1, 0, rpos, in_deps[1])):
             if d is None or not d.rows.size:
@@ -500,6 +495,14 @@ class _Mask:
         self.mask = mask
 
 
+def _numbered(avals) -> tuple[list[int], np.ndarray, list[np.ndarray]]:
+    """`(counts, starts, positions)` of operands numbered one after another from 0:
+    operand `i`'s elements are `starts[i] .. starts[i] + counts[i] - 1`."""
+    counts = [math.prod(a.shape) for a in avals]
+    starts = np.cumsum([0, *counts])
+    return counts, starts, [_positions(a.shape) + s for a, s in zip(avals, starts)]
+
+
 def _is_value(v: Any) -> bool:
     return v is not None and not isinstance(v, _Mask)
 
@@ -537,12 +540,12 @@ def _nonzero_mask(eqn, in_vals, in_avals, out_aval) -> np.ndarray | None:
         if name in _MASK_ANY:
             first = 1 if name == "select_n" else 0
             return np.logical_or.reduce([spread(i) for i in range(first, len(in_vals))])
-        if name in _MOVES and name not in ("dynamic_slice", "gather", "dynamic_update_slice"):
+        if name in _MOVES:
             data = _MOVES[name] or len(in_vals)
-            counts = [math.prod(a.shape) for a in in_avals[:data]]
-            starts = np.cumsum([0, *counts])
-            arrays = [_positions(a.shape) + st for a, st in zip(in_avals[:data], starts)]
-            moved = np.asarray(_move(name, eqn.params, arrays)).ravel()
+            moved = _move(name, eqn.params, _numbered(in_avals[:data])[2])
+            if moved is None:  # moved by indices: not followed
+                return None
+            moved = np.asarray(moved).ravel()
             flat = np.concatenate([_mask_of(v, a.shape).ravel() for v, a in
                                    zip(in_vals[:data], in_avals[:data])])  # fmt: skip
             fill = True if name != "pad" else bool(_mask_of(in_vals[1], ()).any())
@@ -630,7 +633,7 @@ def traced_pattern(fn: Callable, x: Any, args: tuple = ()) -> tuple[np.ndarray, 
         closed = jax.make_jaxpr(flat_fn)(spec, arg_specs)
         in_deps = [identity]
     in_deps += [None] * num_args
-    (out,), _ = _Tracer(n).run(closed.jaxpr, list(closed.consts), in_deps, [None] * len(in_deps))
+    (out,), _ = _Tracer().run(closed.jaxpr, list(closed.consts), in_deps, [None] * len(in_deps))
     if out is None:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), n
     return out.rows, out.cols, n

@@ -381,15 +381,14 @@ def _default_stage_solver(
         getattr(method, "linear_solver", None), Dense
     ):
         return method
-    why = None
-    try:
-        if has_jac:
-            raise ValueError("the Jacobian comes from `jac`, whose pattern is not traced")
-        pattern = sparsity_pattern(field, y, method="trace", args=args)
-    except ValueError as e:
-        why = str(e)
-    except Exception as e:  # noqa: BLE001 - a field the tracer cannot follow
-        why = f"tracing the pattern of its Jacobian failed ({type(e).__name__}: {e})"
+    why = "the Jacobian comes from `jac`, whose pattern is not traced" if has_jac else None
+    if why is None:
+        try:
+            pattern = sparsity_pattern(field, y, method="trace", args=args)
+        except ValueError as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - a field the tracer cannot follow
+            why = f"tracing the pattern of its Jacobian failed ({type(e).__name__}: {e})"
     if why is None:
         mass = getattr(method, "mass_matrix", None)
         if mass is not None:
