@@ -258,6 +258,17 @@ def test_default_stage_solver_by_size(x64):
     pattern = _default_stage_solver(with_mass, line, jnp.ones(n), (0.0,), False)
     pattern = pattern.linear_solver.pattern
     assert (0, n - 1) in set(zip(pattern.rows.tolist(), pattern.cols.tolist()))
+
+    # A periodic 2-D grid: its reordered band is about 4k wide for 2k^2 states, so
+    # sparse at 16 x 16 (512 states, band 125) and dense at 8 x 8 (128, band 61).
+    def grid(y, t):
+        z = y.reshape(int(np.sqrt(y.size // 2)), -1, 2)
+        lap = sum(jnp.roll(z, s, a) for s in (1, -1) for a in (0, 1)) - 4 * z
+        return (lap + z[..., ::-1] * z).reshape(-1)
+
+    for k, expected in ((16, linear_solve.Sparse), (8, linear_solve.Dense)):
+        on_grid = _default_stage_solver(bdf, grid, jnp.ones(2 * k * k), (0.0,), False)
+        assert type(on_grid.linear_solver) is expected, k
     # A dense Jacobian of a few hundred states: dense, silently.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
