@@ -110,7 +110,8 @@ def odeint(
         max_steps: with `dense=True`, the most steps kept; with the name
             `adjoint="checkpoint"`, also the most steps recorded (as
             `CheckpointAdjoint(max_steps=max_steps)`, which sets the memory:
-            `sqrt(max_steps)` checkpoints of the state).
+            `sqrt(max_steps)` checkpoints of the state, or every step's start for a
+            small system).
         throw: raise at run time when the solve fails (`mxstep` exceeded, non-finite
             state, step size underflow) or its gradient cannot be trusted; with
             `throw=False` (which needs `return_info=True`) the status is in the info,

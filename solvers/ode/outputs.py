@@ -114,7 +114,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
     if cfg.record:
         if out_theta is None:  # every output is a step end
             out_theta = jnp.ones(out_step.shape, tdt)
-        every = cfg.every
+        every = rec.y_last.shape[0] - 1  # (its last row is a spare)
         k_last = jax.tree_util.tree_map(lambda b: b[:every], rec.k_last)
         buffers = dataclasses.replace(rec, y_last=rec.y_last[:every], k_last=k_last)
         record = Record(buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc)

@@ -77,10 +77,11 @@ class ODESolve(Primitive):
         f = self.f
         return lambda y, t, params: f(y, t, *params)
 
-    def run(self, y0, ts, pd, pn, record=0):
+    def run(self, y0, ts, pd, pn, record=0, checkpoints=0):
         """The forward solve: `((ys, info, t_nodes), record)`, recording up to `record`
-        steps (for the checkpointed adjoint)."""
-        loop = dataclasses.replace(self.cfg.loop, record=record)
+        steps (for the checkpointed adjoint) with `checkpoints` checkpoints (0: as
+        `loop.checkpoint_every` chooses)."""
+        loop = dataclasses.replace(self.cfg.loop, record=record, checkpoints=checkpoints)
         step = stepper(self.f, loop.method)
         carry0 = carrier(self.f, loop.method)
         out = integrate(self.field(), y0, ts, (pd, pn), loop, step=step, carry0=carry0)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from solvers import odeint
+from solvers.ode import CheckpointAdjoint
 
 from .stiff_problems import PROBLEMS
 
@@ -34,8 +35,9 @@ def duffing(y, t, w, c):
 
 
 def solve(y0, w, c, method="tsit5", interpolate=True, ts=TS, **kw):
-    return odeint(duffing, y0, jnp.asarray(ts), w, c, method=method, adjoint="checkpoint",
-                  interpolate=interpolate, **{**KW[method], **kw})  # fmt: skip
+    kw = {"adjoint": "checkpoint", **KW[method], **kw}
+    return odeint(duffing, y0, jnp.asarray(ts), w, c, method=method, interpolate=interpolate,
+                  **kw)  # fmt: skip
 
 
 def central(fn, x, eps=1e-6):
@@ -79,13 +81,15 @@ def test_shared_parameters_summed_over_the_batch(x64, method, interpolate):
 
 def test_elements_with_different_step_counts_and_several_segments(x64):
     """Elements that take different numbers of steps, with checkpoints every 8 steps
-    (`max_steps=100`), so earlier segments are replayed: against central differences."""
+    (`max_steps=100` in 13 checkpoints), so earlier segments are replayed: against
+    central differences."""
     y0s = jnp.asarray(Y0S) * jnp.array([[1.0], [0.3], [2.0]])
     steps = jax.vmap(lambda y0: solve(y0, 1.3, 0.5, max_steps=100, return_info=True)[1].steps)(y0s)
     assert len(set(np.asarray(steps).tolist())) > 1 and int(steps.max()) > 20
+    every_eight = CheckpointAdjoint(max_steps=100, checkpoints=13)
 
     def loss(w, c=0.5):
-        ys = jax.vmap(lambda y0: solve(y0, w, c, max_steps=100))(y0s)
+        ys = jax.vmap(lambda y0: solve(y0, w, c, adjoint=every_eight))(y0s)
         return jnp.sum(ys[:, -1] ** 2) + jnp.sum(ys[:, 3])
 
     # The discrete adjoint is exact for the computed solution; central differences see
@@ -104,9 +108,10 @@ def test_stiff_elements_ending_in_different_segments(x64, method):
     p = jnp.asarray(PROBLEMS["rober"]["p"])
     y0 = jnp.asarray(PROBLEMS["rober"]["y0"])
     kw = dict(method=method, rtol=1e-6, atol=1e-10, max_steps=400)
+    every_16 = CheckpointAdjoint(max_steps=400, checkpoints=25)
 
     def one(p, t1):
-        return jnp.sum(odeint(f, y0, jnp.stack([0.0, t1]), p, **kw)[-1] ** 2)
+        return jnp.sum(odeint(f, y0, jnp.stack([0.0, t1]), p, adjoint=every_16, **kw)[-1] ** 2)
 
     t1s = jnp.array([1e-5, 1e5])
     steps = [

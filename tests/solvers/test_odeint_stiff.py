@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from solvers import odeint
+from solvers.ode import CheckpointAdjoint
 from solvers.ode import methods as ode_methods
 from solvers.ode.adjoints import sweep
 
@@ -193,7 +194,8 @@ def _rober_grad(ts, max_steps, method="kvaerno5", adjoint="checkpoint"):
     p, y0 = _point("rober")
     f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
     w = jnp.array([1.0, 1e4, 0.0])
-    kw = dict(method=method, rtol=1e-6, atol=1e-10, mxstep=1e6, max_steps=max_steps)
+    kw = dict(method=method, rtol=1e-6, atol=1e-10, mxstep=1e6)
+    kw.update({} if max_steps is None else dict(max_steps=max_steps))
 
     def loss(p):
         return odeint(f, y0, ts, p, adjoint=adjoint, **kw)[-1] @ w
@@ -211,10 +213,52 @@ def test_replayed_steps_are_the_steps_taken(x64, method):
     restore all of it."""
     ts = jnp.concatenate([jnp.zeros(1), jnp.logspace(-5, 5, 11)])
     max_steps = 100 if method == "kvaerno5" else 1000
-    replayed = _rober_grad(ts, max_steps=max_steps, method=method)
-    kept = _rober_grad(ts, max_steps=1 << 16, method=method)
+    # Checkpoints every 2 steps, against every step's start kept (the default for a
+    # state this small).
+    every_two = CheckpointAdjoint(max_steps, checkpoints=max_steps // 2)
+    replayed = _rober_grad(ts, max_steps=None, method=method, adjoint=every_two)
+    kept = _rober_grad(ts, max_steps=max_steps, method=method)
     assert np.all(np.isfinite(replayed))
     np.testing.assert_allclose(replayed, kept, rtol=1e-12, atol=1e-22)
+
+
+def test_every_step_kept_when_the_record_is_small(x64):
+    """`CheckpointAdjoint` keeps every step's start while the record fits in
+    `KEEP_ALL_MAX` numbers over the batch (no replay), else about `sqrt(max_steps)`
+    checkpoints; `checkpoints=` sets their number. The record's shapes show which."""
+    from solvers.ode.loop import KEEP_ALL_MAX, checkpoint_every
+
+    assert checkpoint_every(4096, 48) == 4096
+    assert checkpoint_every(4096, KEEP_ALL_MAX // 4096) == 64
+    assert checkpoint_every(1000, 10**6) == 24  # isqrt(1000) = 31, down to a multiple of 8
+    assert checkpoint_every(100, 48, checkpoints=13) == 8
+    assert checkpoint_every(400, 48, checkpoints=25) == 16
+    assert checkpoint_every(1000, 48, checkpoints=500) == 2
+    assert checkpoint_every(1000, 48, checkpoints=30) == 40  # 34, up to a multiple of 8
+
+    prob = PROBLEMS["rober"]
+    p, y0 = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+    ts = jnp.array([0.0, 1.0])
+
+    def shapes(fn, *args):
+        text = str(jax.make_jaxpr(fn)(*args))
+        return {m for m in ("[4097,3]", "[65,3]", "[17,3]", "[8,4097,3]", "[8,65,3]") if m in text}
+
+    def loss(p, adjoint=None):
+        return jnp.sum(odeint(f, y0, ts, p, method="bdf", adjoint=adjoint))
+
+    assert shapes(jax.grad(loss), p) == {"[4097,3]"}
+    # A batch of 8 would keep 8 x 4097 starts of the state and BDF's carry: too many.
+    batch = jnp.stack([p] * 8)
+    assert "[8,65,3]" in shapes(jax.vmap(jax.grad(loss)), batch)
+    assert not {"[4097,3]", "[8,4097,3]"} & shapes(jax.vmap(jax.grad(loss)), batch)
+    ten = CheckpointAdjoint(max_steps=100, checkpoints=10)  # every 16 steps
+    assert shapes(jax.grad(lambda p: loss(p, ten)), p) == {"[17,3]"}
+    with pytest.raises(ValueError, match=r"`checkpoints` must be >= 1"):
+        CheckpointAdjoint(checkpoints=0)
+    with pytest.raises(TypeError, match=r"`checkpoints` must be a Python int"):
+        CheckpointAdjoint(checkpoints=2.0)
 
 
 @pytest.mark.parametrize("shift_ulps", [0, 1, 3])
@@ -247,7 +291,9 @@ def test_ulp_perturbed_output_times_every_method(x64, method, adjoint):
     ts = np.linspace(0.0, 3.0, 7)
     shifted = ts + 2 * np.spacing(ts) * np.where(np.arange(7) % 2, 1, -1)
     # (Few steps between checkpoints: the checkpointed sweep replays most steps.)
-    kw = dict(method=method, adjoint=adjoint, max_steps=1024)
+    if adjoint == "checkpoint":
+        adjoint = CheckpointAdjoint(max_steps=1024, checkpoints=128)
+    kw = dict(method=method, adjoint=adjoint)
     tol = 1e-6 if method == "bosh3" else 1e-8
     kw.update(dt=0.01) if method == "rk4" else kw.update(rtol=tol, atol=tol)
 
@@ -304,7 +350,7 @@ def test_linearisations_in_chunks_match_the_references(x64, monkeypatch, method)
     Against central differences of SciPy's Radau, as above."""
     monkeypatch.setattr(sweep, "LINEARIZE_MIN_STATES", 1)
     rtol = 1e-8
-    loss, steps = _loss("rober", rtol, method, max_steps=1024)
+    loss, steps = _loss("rober", rtol, method, adjoint=CheckpointAdjoint(1024, checkpoints=32))
     p, y0 = _point("rober")
     ref = REFS["rober"]
     n = int(jax.jit(steps)(p, y0))

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from implicitdiff import error_if
 
-from ..loop import checkpoint_every
 from ..solve import dense_cotangents, times_cotangent
 from ._base import AbstractAdjoint
 from .sweep import CheckpointSweep, batch_first, batched_sweep, shared_or_first
@@ -31,23 +30,30 @@ class CheckpointAdjoint(AbstractAdjoint):
     """The exact gradient of the computed solution (the discrete adjoint).
 
     The forward pass records each accepted step's start and size, the state (and the
-    derivative the next step starts from) every `sqrt(max_steps)` steps (rounded down to
-    a multiple of 8), and the states of the latest `sqrt(max_steps)` steps; the
-    backward pass recomputes one earlier segment of states at a time and pulls the
-    cotangent back through each step (one `jax.vjp` of the step). For a state of 100
+    method's carry, e.g. the derivative the next step starts from) every `m` steps (a
+    checkpoint), and the states of the latest `m` steps; the backward pass recomputes
+    one earlier segment of states at a time from its checkpoint and pulls the
+    cotangent back through each step (one `jax.vjp` of the step). By default `m` is
+    `max_steps` when the start of every step fits in `KEEP_ALL_MAX` numbers (2^20, over
+    a `vmap` batch: a small system), so nothing is recomputed, and about
+    `sqrt(max_steps)` (rounded down to a multiple of 8) otherwise. For a state of 100
     entries or more, the steps of a segment are linearised eight at a time in one
     batch, so their Jacobians and factorisations run batched; and a method whose stage
     equation is solved by the step's end (BDF's corrector) takes that end from the
     record instead of iterating again. Outputs inside a step (`interpolate=True`) are
     linear in the step's stages, so their cotangents join that pull-back. Memory is
-    `O(sqrt(max_steps))` states and the linearisations of eight steps (for a dense
-    stage solver, eight `n x n` factorisations). Under `vmap` the sweep runs once for
+    `O(sqrt(max_steps))` states (`O(max_steps)` when every start is kept) and the
+    linearisations of eight steps (for a dense stage solver, eight `n x n`
+    factorisations). Under `vmap` the sweep runs once for
     the whole batch, with the cotangents of shared parameters summed inside each step.
     Differentiable once in reverse mode, then to any order in forward mode
     (`jax.hessian`).
 
     Attributes:
         max_steps: the most accepted steps recorded (more is an error naming it).
+        checkpoints: how many checkpoints the record holds (`m = max_steps /
+            checkpoints`, rounded up to a multiple of 8 above 8): fewer take less
+            memory and recompute more. Default `None`: as above.
 
     Example:
         ```python
@@ -62,24 +68,31 @@ class CheckpointAdjoint(AbstractAdjoint):
     """
 
     max_steps: int = 4096
+    checkpoints: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
-            raise TypeError(
-                f"CheckpointAdjoint: `max_steps` must be a Python int, got {self.max_steps!r}"
-            )
-        if self.max_steps < 1:
-            raise ValueError(f"CheckpointAdjoint: `max_steps` must be >= 1, got {self.max_steps}")
+        for name in ("max_steps", "checkpoints"):
+            value = getattr(self, name)
+            if value is None and name == "checkpoints":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"CheckpointAdjoint: `{name}` must be a Python int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"CheckpointAdjoint: `{name}` must be >= 1, got {value}")
 
     def forward(self, solve, y0, ts, pd, pn):
-        return solve.run(y0, ts, pd, pn, record=self.max_steps)
+        return solve.run(y0, ts, pd, pn, record=self.max_steps, checkpoints=self.checkpoints or 0)
 
-    def _sweep_params(self, solve):
-        return dict(f=solve.f, loop=solve.cfg.loop, every=checkpoint_every(self.max_steps))
+    def _sweep_params(self, solve, states):
+        # Steps between checkpoints, as the forward pass chose them (`checkpoint_every`):
+        # the rows of its latest states.
+        return dict(f=solve.f, loop=solve.cfg.loop, every=states[2].shape[-2])
 
     def backward(self, solve, kept, ys, ts, pd, pn, g_ys):
         states, steps = _record_parts(kept)
-        a0, ct_pd = CheckpointSweep.apply(states, g_ys, pd, pn, steps, **self._sweep_params(solve))
+        a0, ct_pd = CheckpointSweep.apply(
+            states, g_ys, pd, pn, steps, **self._sweep_params(solve, states)
+        )
         return _finite(a0, ct_pd, g_ys, solve.cfg.throw)
 
     def backward_batched(self, solve, axis_size, in_dims, res, res_dims, g, g_dims):
@@ -97,7 +110,7 @@ class CheckpointAdjoint(AbstractAdjoint):
         g_ys, ts = jax.vmap(dense_cotangents)(tn, ts, first(g[0], g_dims[0]))
         states, steps = _record_parts(rec)
         a0, ct_pd = batched_sweep(
-            states, g_ys, (pd, pd_axes), (pn, pn_axes), steps, **self._sweep_params(solve)
+            states, g_ys, (pd, pd_axes), (pn, pn_axes), steps, **self._sweep_params(solve, states)
         )
         a0, ct_pd = _finite(a0, ct_pd, g_ys, solve.cfg.throw)
         y0_dims, ts_dims = in_dims[0], in_dims[1]
