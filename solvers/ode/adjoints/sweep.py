@@ -1,10 +1,12 @@
 """The backward sweep of `odeint(adjoint="checkpoint")`: the discrete adjoint.
 
 The forward pass (`integrate` with `record`) keeps each accepted step's start
-time and size, the state every `every = sqrt(max_steps)` steps, and the starts of the
-latest `every` steps with `f` there. The sweep walks the segments of `every` steps last
-first: it recomputes a segment's states from its checkpoint (the last segment's were
-kept), then pulls the cotangent back through each step with one `jax.vjp` of the step.
+time and size, the state every `every` steps (about `sqrt(max_steps)`), and the starts
+of the latest `every` steps with `f` there. The sweep walks the segments of `every`
+steps last first: it recomputes a segment's states from its checkpoint (the last
+segment's were kept), then pulls the cotangent back through each step with one
+`jax.vjp` of the step. A small system keeps every step's start (`every = max_steps`,
+see `loop.checkpoint_every`): one segment, and no replay is compiled.
 Outputs inside a step (`interpolate=True`) are linear in the step's stages, so their
 cotangents join that same pull-back.
 
@@ -395,10 +397,16 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             )
             return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s))
 
-        # No replay at all (and no field evaluation) when every element kept its states.
-        ys, k1s = jax.lax.cond(replay > 0, replayed, lambda: (y_last, k_last))
-        ys = select(kept, y_last, ys)
-        k1s = select(kept, k_last, k1s)
+        if every >= cap - 1:
+            # Every step's start was kept (one segment): nothing to replay, and no
+            # replaying step to compile.
+            ys, k1s = y_last, k_last
+        else:
+            # No replay at all (and no field evaluation) when every element kept its
+            # states.
+            ys, k1s = jax.lax.cond(replay > 0, replayed, lambda: (y_last, k_last))
+            ys = select(kept, y_last, ys)
+            k1s = select(kept, k_last, k1s)
 
         # Each step's end: the next step's start, and for the segment's last step the
         # next checkpoint, unless the segment is the solve's last (`kept`): that step
