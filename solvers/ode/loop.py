@@ -88,16 +88,21 @@ def checkpoint_every(record: int, numbers: int = 0, checkpoints: int = 0) -> int
     """Accepted steps between two checkpoints of the state when recording `record`
     steps whose starts hold `numbers` numbers each (the state and the carry, over the
     batch). With `checkpoints` given, `record / checkpoints` (rounded up, and up to a
-    multiple of `LINEARIZE_CHUNK` once it is that large). Otherwise all `record` of
-    them when they fit in `KEEP_ALL_MAX` (every start is kept), else about
-    `sqrt(record)`, so both the checkpoints and one segment hold that many, rounded
-    down to a multiple of `LINEARIZE_CHUNK` once it is that large."""
+    multiple of `LINEARIZE_CHUNK` once it is that large). Otherwise more than
+    `record` (a multiple of `LINEARIZE_CHUNK`, so that even the step that overflows
+    the record keeps its start: one segment) when that fits in `KEEP_ALL_MAX`, else
+    about `sqrt(record)`, so both the checkpoints and one segment hold that many,
+    rounded down to a multiple of `LINEARIZE_CHUNK` once it is that large."""
     record = max(record, 1)
-    if checkpoints:
-        every = -(-record // checkpoints)
+
+    def up(every):
         return every if every <= LINEARIZE_CHUNK else -(-every // LINEARIZE_CHUNK) * LINEARIZE_CHUNK
-    if 0 < numbers and (record + 1) * numbers <= KEEP_ALL_MAX:
-        return record
+
+    if checkpoints:
+        return up(-(-record // checkpoints))
+    every = -(-(record + 1) // LINEARIZE_CHUNK) * LINEARIZE_CHUNK
+    if 0 < numbers and (every + 1) * numbers <= KEEP_ALL_MAX:
+        return every
     every = math.isqrt(record)
     return every - every % LINEARIZE_CHUNK if every >= LINEARIZE_CHUNK else every
 

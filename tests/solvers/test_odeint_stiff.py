@@ -228,7 +228,7 @@ def test_every_step_kept_when_the_record_is_small(x64):
     checkpoints; `checkpoints=` sets their number. The record's shapes show which."""
     from solvers.ode.loop import KEEP_ALL_MAX, checkpoint_every
 
-    assert checkpoint_every(4096, 48) == 4096
+    assert checkpoint_every(4096, 48) == 4104  # above 4096: the overflowing step fits too
     assert checkpoint_every(4096, KEEP_ALL_MAX // 4096) == 64
     assert checkpoint_every(1000, 10**6) == 24  # isqrt(1000) = 31, down to a multiple of 8
     assert checkpoint_every(100, 48, checkpoints=13) == 8
@@ -243,22 +243,68 @@ def test_every_step_kept_when_the_record_is_small(x64):
 
     def shapes(fn, *args):
         text = str(jax.make_jaxpr(fn)(*args))
-        return {m for m in ("[4097,3]", "[65,3]", "[17,3]", "[8,4097,3]", "[8,65,3]") if m in text}
+        return {m for m in ("[4104,3]", "[65,3]", "[17,3]", "[8,4104,3]", "[8,65,3]") if m in text}
 
     def loss(p, adjoint=None):
         return jnp.sum(odeint(f, y0, ts, p, method="bdf", adjoint=adjoint))
 
-    assert shapes(jax.grad(loss), p) == {"[4097,3]"}
-    # A batch of 8 would keep 8 x 4097 starts of the state and BDF's carry: too many.
+    assert shapes(jax.grad(loss), p) == {"[4104,3]"}
+    # A batch of 8 would keep 8 x 4105 starts of the state and BDF's carry: too many.
     batch = jnp.stack([p] * 8)
     assert "[8,65,3]" in shapes(jax.vmap(jax.grad(loss)), batch)
-    assert not {"[4097,3]", "[8,4097,3]"} & shapes(jax.vmap(jax.grad(loss)), batch)
+    assert not {"[4104,3]", "[8,4104,3]"} & shapes(jax.vmap(jax.grad(loss)), batch)
     ten = CheckpointAdjoint(max_steps=100, checkpoints=10)  # every 16 steps
     assert shapes(jax.grad(lambda p: loss(p, ten)), p) == {"[17,3]"}
     with pytest.raises(ValueError, match=r"`checkpoints` must be >= 1"):
         CheckpointAdjoint(checkpoints=0)
     with pytest.raises(TypeError, match=r"`checkpoints` must be a Python int"):
         CheckpointAdjoint(checkpoints=2.0)
+
+
+def test_jacrev_over_many_outputs_groups_its_cotangents(x64):
+    """`jacrev` of a solve that kept every step's start: the batched sweep copies the
+    record per cotangent, so the 33 cotangents go through in groups of at most
+    `KEEP_ALL_MAX` numbers (5 here, one after the other); against `jacfwd` (forward
+    sensitivities, an independent rule)."""
+    import re
+
+    prob = PROBLEMS["rober"]
+    p, y0 = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+    ts = jnp.concatenate([jnp.zeros(1), jnp.logspace(-5, 3, 10)])
+    solve = lambda p: odeint(f, y0, ts, p, method="bdf", rtol=1e-8, atol=1e-10)  # noqa: E731
+    text = str(jax.make_jaxpr(jax.jacrev(solve))(p))
+    assert set(re.findall(r"\[(\d+),4104,", text)) <= {"1", "3", "5"}
+    scale = np.max(np.abs(jax.jacfwd(solve)(p)), axis=(0, 1))
+    np.testing.assert_allclose(
+        jax.jacrev(solve)(p) / scale, jax.jacfwd(solve)(p) / scale, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("checkpoints", [None, 4])
+def test_gradient_when_the_last_step_overflows_the_record(x64, checkpoints):
+    """With `throw=False`, a solve whose last step is one more than `max_steps` ends
+    with a status, its outputs all reached; their gradient is still exact: the start
+    of the overflowing step is kept apart from the others (it once overwrote the first
+    step's start when every start was kept)."""
+    from solvers.ode import CheckpointAdjoint
+
+    ts = jnp.array([0.0, 0.5, 3.0])
+
+    def loss(p, max_steps, checkpoints=None):
+        adjoint = CheckpointAdjoint(max_steps=max_steps, checkpoints=checkpoints)
+        ys, info = odeint(
+            _oscillator, jnp.array([1.0, 0.0]), ts, p, method="dopri5", rtol=1e-8,
+            atol=1e-8, adjoint=adjoint, throw=False, return_info=True,
+        )  # fmt: skip
+        return jnp.sum(ys[1:] @ jnp.array([1.0, 2.0])), info
+
+    p = jnp.array([4.0, 0.3])
+    (_, info), full = jax.value_and_grad(loss, has_aux=True)(p, 4096)
+    steps = int(info.steps)
+    (_, info), g = jax.value_and_grad(loss, has_aux=True)(p, steps - 1, checkpoints)
+    assert int(info.status) != 0 and int(info.steps) == steps
+    np.testing.assert_allclose(g, full, rtol=1e-12)
 
 
 @pytest.mark.parametrize("shift_ulps", [0, 1, 3])

@@ -34,9 +34,10 @@ class CheckpointAdjoint(AbstractAdjoint):
     checkpoint), and the states of the latest `m` steps; the backward pass recomputes
     one earlier segment of states at a time from its checkpoint and pulls the
     cotangent back through each step (one `jax.vjp` of the step). By default `m` is
-    `max_steps` when the start of every step fits in `KEEP_ALL_MAX` numbers (2^20, over
-    a `vmap` batch: a small system), so nothing is recomputed, and about
-    `sqrt(max_steps)` (rounded down to a multiple of 8) otherwise. For a state of 100
+    more than `max_steps` when the start of every step fits in `KEEP_ALL_MAX` numbers
+    (2^20, times the largest `vmap` batch among the inputs: a small system), so nothing
+    is recomputed, and about `sqrt(max_steps)` (rounded down to a multiple of 8)
+    otherwise. For a state of 100
     entries or more, the steps of a segment are linearised eight at a time in one
     batch, so their Jacobians and factorisations run batched; and a method whose stage
     equation is solved by the step's end (BDF's corrector) takes that end from the
@@ -45,15 +46,17 @@ class CheckpointAdjoint(AbstractAdjoint):
     `O(sqrt(max_steps))` states (`O(max_steps)` when every start is kept) and the
     linearisations of eight steps (for a dense stage solver, eight `n x n`
     factorisations). Under `vmap` the sweep runs once for
-    the whole batch, with the cotangents of shared parameters summed inside each step.
-    Differentiable once in reverse mode, then to any order in forward mode
-    (`jax.hessian`).
+    the whole batch, with the cotangents of shared parameters summed inside each step;
+    `jacrev` of one solve sends its cotangents through in groups whose copies of a
+    kept-everything record stay within `KEEP_ALL_MAX` numbers. Differentiable once in
+    reverse mode, then to any order in forward mode (`jax.hessian`; each tangent then
+    carries a tangent of the record: with many parameters, `checkpoints=` bounds it).
 
     Attributes:
         max_steps: the most accepted steps recorded (more is an error naming it).
-        checkpoints: how many checkpoints the record holds (`m = max_steps /
-            checkpoints`, rounded up to a multiple of 8 above 8): fewer take less
-            memory and recompute more. Default `None`: as above.
+        checkpoints: at most how many checkpoints the record holds (`m = max_steps /
+            checkpoints`, rounded up, and up to a multiple of 8 above 8): fewer take
+            less memory and recompute more. Default `None`: as above.
 
     Example:
         ```python

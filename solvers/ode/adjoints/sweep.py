@@ -54,7 +54,7 @@ from ..interpolation import (
     output_moments,
     pull_back_outputs,
 )
-from ..loop import LINEARIZE_CHUNK, LoopConfig, stepper
+from ..loop import KEEP_ALL_MAX, LINEARIZE_CHUNK, LoopConfig, stepper
 from ..methods import combine_carry, partition_carry, select
 from ..outputs import output_window
 
@@ -130,6 +130,22 @@ class CheckpointSweep(_Sweep):
         size = axis_data.size
         first = lambda x, d: batch_first(x, d, size)  # noqa: E731
         pd = jax.tree_util.tree_map(first, pd, d_pd)
+        # The batched sweep takes a copy of the record per element. A record that kept
+        # every step's start, shared by the whole batch (one solve, many cotangents),
+        # is copied to at most `KEEP_ALL_MAX` numbers at a time: the cotangents go
+        # through in groups, one after the other.
+        kept_all = self.every >= rec[0].shape[-1] - 1
+        numbers = sum(x.size for x in jax.tree_util.tree_leaves(y_cp))
+        group = max(1, KEEP_ALL_MAX // max(numbers, 1))
+        if kept_all and not jax.tree_util.tree_leaves((d_cp, d_rec)) and size > group:
+            params = dict(f=self.f, loop=self.loop, every=self.every)
+
+            def one(xs):
+                g, pd, pn = xs
+                return CheckpointSweep.apply(y_cp, g, pd, pn, rec, **params)
+
+            pn = jax.tree_util.tree_map(first, pn, d_pn)
+            return jax.lax.map(one, (first(g, d_g), pd, pn), batch_size=group), 0
         out = batched_sweep(
             jax.tree_util.tree_map(first, y_cp, d_cp),
             first(g, d_g),
@@ -368,7 +384,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         k0 = seg * every
         m = jnp.clip(steps - k0, 0, every)  # each element's steps in this segment
         # Only as many steps as the longest element has here, not a whole segment: a
-        # short solve (a few dozen steps against `every = sqrt(max_steps)`) replays
+        # short solve (a few dozen steps against `every` of about `sqrt(max_steps)`) replays
         # just its own steps.
         m_max = max_over_batch(jnp.max(m))
         # The last segment's states were kept by the forward pass; the others are
