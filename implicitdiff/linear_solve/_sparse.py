@@ -403,7 +403,8 @@ def sparsity_pattern(
     `x` and any value of `args`. Values `fn` closes over are constants: a zero entry
     of a closed-over matrix is no coupling (pass such values in `args` for a pattern
     that holds whatever they are). It is exact for stencils (slices, rolls, padding, stacking,
-    reshapes, products with constant sparse matrices) and a superset where `fn`
+    reshapes, products with constant sparse matrices, convolutions, window sums) and a
+    superset where `fn`
     combines values it cannot follow apart: loops (`while_loop`, `scan`), sorts,
     cumulative sums, linear algebra and indexing by traced indices make each of their
     outputs depend on everything their inputs do. It works on traced values (inside

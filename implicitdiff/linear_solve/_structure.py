@@ -20,6 +20,10 @@ Each floating-point value holds its dependencies as a list of pairs `(element, i
   the same when their indices are constants of the trace;
 - reductions and `dot_general`: the union over the elements combined (with a constant
   operand of `dot_general`, only its nonzero entries couple);
+- convolutions (`conv_general_dilated`, without feature or batch groups) and window
+  operations (`reduce_window_sum`/`max`/`min`, and the window maximum's derivative):
+  each output takes the inputs its window reaches, found from the strides, padding
+  and dilations, and for a convolution only where the other operand may be nonzero;
 - `cumsum`, `sort` and the like: the union along the axis;
 - nested jaxprs (`jit`, `checkpoint`, `cond`): followed inside;
 - anything else (loops, linear algebra, unknown operations): every output element
@@ -384,6 +388,11 @@ class _Tracer:
             return [in_deps[0].take(piece.ravel()) for piece in pieces]
         if name == "dot_general":
             return [self._dot(params, in_deps, in_vals, in_avals, size)]
+        if name == "conv_general_dilated":
+            conv = self._conv(params, in_deps, in_vals, in_avals, out_aval, size)
+            return None if conv is None else [conv]
+        if name in _WINDOWED:
+            return [self._windowed(params, in_deps[0], in_avals[0], out_aval, size)]
         if name.startswith("scatter"):
             return [self._scatter(eqn, in_deps, in_vals, in_avals, size)]
         if name in _MOVES:
@@ -456,6 +465,68 @@ class _Tracer:
             parts.append(_pairs(d, out.ravel(), elems.ravel(), size))
         return _union(size, parts)
 
+    def _conv(self, params, in_deps, in_vals, in_avals, out_aval, size):
+        # Output (n, o, t) sums input (n, c, s) times kernel (o, c, k) over the kernel
+        # offsets k, with s the input position that offset reaches from t (`_window`).
+        if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+            return None
+        dn = params["dimension_numbers"]
+        lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+        lhs = np.transpose(_positions(in_avals[0].shape), lhs_spec)
+        rhs = np.transpose(_positions(in_avals[1].shape), rhs_spec)
+        out = np.transpose(_positions(out_aval.shape), out_spec)
+        masks = [
+            np.transpose(_mask_of(v, a.shape), spec)
+            for v, a, spec in zip(in_vals, in_avals, (lhs_spec, rhs_spec))
+        ]
+        n, c = lhs.shape[:2]
+        o = rhs.shape[0]
+        kernel = rhs.shape[2:]
+        src = _window(
+            lhs.shape[2:], kernel, out.shape[2:], params["window_strides"], params["padding"],
+            params["lhs_dilation"], params["rhs_dilation"],
+        )  # fmt: skip
+        # (output position, kernel offset) pairs that reach an input position.
+        t, k = np.nonzero(src >= 0)
+        s = src[t, k]
+        lhs, out = lhs.reshape(n, c, -1), out.reshape(n, o, -1)
+        rhs = rhs.reshape(o, c, -1)
+        lmask, rmask = masks[0].reshape(n, c, -1), masks[1].reshape(o, c, -1)
+        parts, count = [], 0
+        for offset in np.unique(k):
+            at = k == offset
+            t_at, s_at = t[at], s[at]
+            if in_deps[0] is not None and in_deps[0].rows.size:
+                # Through the input, wherever the kernel may be nonzero.
+                oo, cc = np.nonzero(rmask[:, :, offset])
+                count += n * t_at.size * oo.size
+                if count > _MAX_ENTRIES:
+                    raise DensePattern
+                rows = out[:, oo[None, :], t_at[:, None]]
+                elems = lhs[:, cc[None, :], s_at[:, None]]
+                parts.append(_pairs(in_deps[0], rows.ravel(), elems.ravel(), size))
+            if in_deps[1] is not None and in_deps[1].rows.size:
+                # Through the kernel, wherever the input may be nonzero.
+                nn, cc, pp = np.nonzero(lmask[:, :, s_at])
+                count += o * nn.size
+                if count > _MAX_ENTRIES:
+                    raise DensePattern
+                rows = out[nn[:, None], np.arange(o)[None, :], t_at[pp][:, None]]
+                elems = rhs[np.arange(o)[None, :], cc[:, None], offset]
+                parts.append(_pairs(in_deps[1], rows.ravel(), elems.ravel(), size))
+        return _union(size, parts)
+
+    def _windowed(self, params, deps, in_aval, out_aval, size):
+        # A window reduction: output t of each dimension takes the inputs its window
+        # reaches.
+        src = _window(
+            in_aval.shape, params["window_dimensions"], out_aval.shape,
+            params["window_strides"], params["padding"], params["base_dilation"],
+            params["window_dilation"],
+        )  # fmt: skip
+        t, k = np.nonzero(src >= 0)
+        return _pairs(deps, t, src[t, k], size)
+
     def _scatter(self, eqn, in_deps, in_vals, in_avals, size):
         operand, indices, updates = in_deps[0], in_vals[1], in_deps[2]
         base = operand if operand is not None else _Deps.empty(size)
@@ -482,6 +553,37 @@ class _Tracer:
         target = np.rint(np.asarray(target, np.float64)).astype(np.int64).ravel() - 1
         elems = np.nonzero(target >= 0)[0]
         return _union(size, [base, _pairs(updates, target[elems], elems, size)])
+
+
+# Window operations whose output takes everything its window of the first operand
+# reaches: sums, and the derivative of a window maximum or minimum (the tangent of
+# the input each window selects; the selection's own derivative is zero).
+_WINDOWED = frozenset(
+    "reduce_window_sum reduce_window_max reduce_window_min select_and_gather_add".split()
+)
+
+
+def _window(in_shape, window, out_shape, strides, padding, base_dilation, window_dilation):
+    """`src[t, k]`: the flat input position that window offset `k` reaches from flat
+    output position `t` (`-1`: padding, or a hole of the base dilation), for a window
+    operation over all of `in_shape`'s dimensions (a convolution's spatial ones)."""
+    tables = []
+    for size, w, out, stride, (lo, _), base, dil in zip(
+        in_shape, window, out_shape, strides, padding, base_dilation, window_dilation
+    ):
+        # The position on the dilated, padded input, and back on the input.
+        q = np.arange(out)[:, None] * stride + np.arange(w)[None, :] * dil - lo
+        inside = (q >= 0) & (q <= (size - 1) * base) & (q % base == 0)
+        tables.append(np.where(inside, q // base, -1))
+    src = np.zeros((1, 1), np.int64)
+    for size, table in zip(in_shape, tables):
+        # Flat positions, one dimension at a time (row-major): (t..., k...) pairs.
+        src = np.where(
+            (src[:, None, :, None] >= 0) & (table[None, :, None, :] >= 0),
+            src[:, None, :, None] * size + table[None, :, None, :],
+            -1,
+        ).reshape(src.shape[0] * table.shape[0], src.shape[1] * table.shape[1])
+    return src
 
 
 class _Mask:

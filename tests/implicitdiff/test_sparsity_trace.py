@@ -289,3 +289,118 @@ def test_random_compositions_hold_every_entry(x64, seed):
     fn = _random_function(np.random.default_rng(seed), 3)
     traced, _ = _traced(fn, jnp.ones(12))
     assert _evaluated(fn, jnp.ones(12)) <= traced
+
+
+_LAPLACE = np.array([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]])
+_KERNEL = RNG.normal(size=(3, 2, 3, 2)) * (RNG.random((3, 2, 3, 2)) < 0.6)
+
+
+def _conv(y, kernel=_KERNEL, **kw):
+    # Two input channels on a 5 x 4 grid (NHWC), three output channels.
+    z = y.reshape(1, 5, 4, 2)
+    kernel = jnp.asarray(kernel, z.dtype)
+    dn = jax.lax.conv_dimension_numbers(z.shape, kernel.shape, ("NHWC", "OHWI", "NHWC"))
+    return jax.lax.conv_general_dilated(z, kernel, dimension_numbers=dn, **kw)
+
+
+def _square(fn, n):
+    # `fn`'s outputs repeated or cut to `n` values (a stage matrix is square).
+    def square(y):
+        out = jnp.ravel(fn(y))
+        return jnp.tile(out, -(-n // out.size))[:n]
+
+    return square
+
+
+WINDOWS = {
+    "convolve2d stencil": (
+        lambda y: jax.scipy.signal.convolve2d(y.reshape(5, 6), _LAPLACE, mode="same") * y[0],
+        jnp.ones(30),
+    ),
+    "conv NHWC, SAME, sparse kernel": (
+        lambda y: _conv(y, window_strides=(1, 1), padding="SAME"),
+        jnp.ones(40),
+    ),
+    "conv strided, explicit padding": (
+        lambda y: _conv(y, window_strides=(2, 1), padding=((1, 0), (2, 1))),
+        jnp.ones(40),
+    ),
+    "conv dilated input and kernel": (
+        lambda y: _conv(
+            y,
+            window_strides=(1, 2),
+            padding=((0, 1), (1, 0)),
+            lhs_dilation=(2, 1),
+            rhs_dilation=(1, 2),
+        ),
+        jnp.ones(40),
+    ),
+    "conv in the kernel": (
+        lambda k: _conv(
+            jnp.arange(40.0) % 3, k.reshape(3, 2, 3, 2), window_strides=(1, 1), padding="SAME"
+        ),
+        jnp.ones(36),
+    ),
+    "conv in both operands": (
+        lambda v: _conv(v[:40], v[40:].reshape(3, 2, 3, 2), window_strides=(2, 2), padding="SAME"),
+        jnp.ones(76),
+    ),  # fmt: skip
+    "window sum, strided, padded, dilated": (
+        lambda y: jax.lax.reduce_window(
+            y.reshape(6, 5),
+            0.0,
+            jax.lax.add,
+            (2, 3),
+            (2, 1),
+            ((1, 0), (1, 1)),
+            base_dilation=(1, 2),
+            window_dilation=(2, 1),
+        ),
+        jnp.ones(30),
+    ),  # fmt: skip
+    "average pooling": (
+        lambda y: (
+            jax.lax.reduce_window(y.reshape(4, 6), 0.0, jax.lax.add, (2, 2), (2, 2), "VALID") / 4
+        ),
+        jnp.ones(24),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_traced_pattern_of_convolutions_and_windows(x64, name):
+    """Convolutions (any layout, strides, padding, dilations; the kernel's zeros count
+    where it is a constant) and window sums: exact."""
+    fn, x = WINDOWS[name]
+    fn = _square(fn, x.size)
+    traced, diagonal = _traced(fn, x)
+    assert traced - diagonal == _evaluated(fn, x) - diagonal
+
+
+def test_traced_pattern_of_a_grouped_convolution(x64):
+    """Feature groups are not followed: every output depends on every input."""
+    fn = _square(
+        lambda y: _conv(y, _KERNEL[:, :, :, :1].repeat(2, 0)[:2], window_strides=(1, 1),
+                        padding="SAME", feature_group_count=2),
+        40,
+    )  # fmt: skip
+    traced, _ = _traced(fn, jnp.ones(40))
+    assert _evaluated(fn, jnp.ones(40)) <= traced and len(traced) == 40 * 40
+
+
+def test_traced_pattern_of_a_window_maximum(x64):
+    """A window maximum's derivative picks one input of each window, which one depends
+    on the point: the traced pattern holds the whole window, and nothing else."""
+
+    def window_max(y):
+        z = y.reshape(5, 4)
+        return jax.lax.reduce_window(z, -jnp.inf, jax.lax.max, (2, 2), (1, 2), "SAME")
+
+    fn = _square(window_max, 20)
+    traced, _ = _traced(fn, jnp.ones(20))
+    assert _evaluated(fn, jnp.ones(20), points=8) <= traced
+    windows = _square(
+        lambda y: jax.lax.reduce_window(y.reshape(5, 4), 0.0, jax.lax.add, (2, 2), (1, 2), "SAME"),
+        20,
+    )  # fmt: skip
+    assert traced == _traced(windows, jnp.ones(20))[0]

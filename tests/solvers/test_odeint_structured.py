@@ -269,6 +269,11 @@ def test_default_stage_solver_by_size(x64):
     for k, expected in ((16, linear_solve.Sparse), (8, linear_solve.Dense)):
         on_grid = _default_stage_solver(bdf, grid, jnp.ones(2 * k * k), (0.0,), False)
         assert type(on_grid.linear_solver) is expected, k
+    # The same stencil written as a convolution (24 x 24, zero boundaries).
+    stencil = np.array([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]])
+    heat = lambda y, t: jax.scipy.signal.convolve2d(y.reshape(24, 24), stencil, "same").ravel()  # noqa: E731
+    conv = _default_stage_solver(bdf, heat, jnp.ones(576), (0.0,), False).linear_solver
+    assert isinstance(conv, linear_solve.Sparse) and conv.pattern.nnz == 576 * 5 - 4 * 24
     # A dense Jacobian of a few hundred states: dense, silently.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
