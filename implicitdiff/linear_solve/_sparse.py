@@ -27,7 +27,7 @@ from ._blocks import (
     small_components,
 )
 from ._checks import as_arrays, check_throw
-from ._structure import DensePattern, traced_pattern
+from ._structure import DensePattern, distinct, traced_pattern
 
 __all__ = ["Sparse", "SparsityPattern", "sparsity_pattern"]
 
@@ -94,7 +94,7 @@ class SparsityPattern:
             rows, cols = (a.astype(np.int64) for a in np.nonzero(mask))
             n = mask.shape[0]
         diag = np.arange(n)
-        flat = np.unique(np.concatenate([rows * n + cols, diag * n + diag]).astype(np.int64))
+        flat = distinct(np.concatenate([rows * n + cols, diag * n + diag]).astype(np.int64))
         self.n = n
         self.rows = (flat // n).astype(np.int64)
         self.cols = (flat % n).astype(np.int64)
@@ -109,9 +109,22 @@ class SparsityPattern:
         offsets = self.position[self.cols] - self.position[self.rows]
         self.lower = int(max(0, -offsets.min(initial=0)))
         self.upper = int(max(0, offsets.max(initial=0)))
-        self.colours = _colour_columns(n, self.rows, self.cols)
-        self.num_colours = int(self.colours.max(initial=-1) + 1)
+        self._colours: np.ndarray | None = None
         self._derived: dict[Any, SparsityPattern] = {}  # transposed, coupled(m)
+
+    @property
+    def colours(self) -> np.ndarray:
+        # Coloured on first use: a greedy distance-2 colouring costs about
+        # `n * (entries per column) * (entries per row)` steps, which a caller that
+        # only looks at the band (`odeint`'s default) need not pay.
+        if self._colours is None:
+            self._colours = _colour_columns(self.n, self.rows, self.cols)
+            self._colours.setflags(write=False)
+        return self._colours
+
+    @property
+    def num_colours(self) -> int:
+        return int(self.colours.max(initial=-1) + 1)
 
     @property
     def nnz(self) -> int:
@@ -168,7 +181,7 @@ def _neighbours(n: int, rows: np.ndarray, cols: np.ndarray) -> list[np.ndarray]:
     off = rows != cols
     a = np.concatenate([rows[off], cols[off]])
     b = np.concatenate([cols[off], rows[off]])
-    key = np.unique(a * n + b)
+    key = distinct(a * n + b)
     a, b = key // n, key % n
     starts = np.searchsorted(a, np.arange(n + 1))
     return [b[starts[i] : starts[i + 1]] for i in range(n)]
@@ -499,7 +512,7 @@ def sparsity_pattern(
             "matrix; evaluate at another point `x` or seed.",
             stacklevel=2,
         )
-    key = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+    key = distinct(np.concatenate(found)) if found else np.zeros(0, np.int64)
     return SparsityPattern((key // n, key % n), n)
 
 

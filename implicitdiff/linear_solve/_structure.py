@@ -50,13 +50,22 @@ from jax.flatten_util import ravel_pytree
 
 from .._jax_compat import Tracer, jaxpr_parts
 
-__all__ = ["DensePattern", "traced_pattern"]
+__all__ = ["DensePattern", "distinct", "traced_pattern"]
 
 #: The most `(element, input)` pairs one value may hold before the trace gives up as
 #: dense.
 _MAX_ENTRIES = 20_000_000
 #: The largest constant (in elements) the trace evaluates.
 _MAX_KNOWN = 1 << 22
+
+
+def distinct(keys: np.ndarray) -> np.ndarray:
+    """The distinct values of an integer array, sorted (`np.unique` by a sort: NumPy's
+    own is many times slower on millions of keys)."""
+    keys = np.sort(np.ravel(keys))
+    if keys.size:
+        keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]
+    return keys
 
 
 class DensePattern(Exception):
@@ -74,7 +83,7 @@ class _Deps:
             raise DensePattern
         if not clean and rows.size:
             radix = int(cols.max()) + 1
-            key = np.unique(rows.astype(np.int64) * radix + cols)
+            key = distinct(rows.astype(np.int64) * radix + cols)
             rows, cols = key // radix, key % radix
         self.size = size
         self.rows = rows.astype(np.int64, copy=False)
@@ -116,7 +125,7 @@ class _Deps:
 
     def spread(self, size: int) -> _Deps:
         """Every one of `size` elements depends on everything this value does."""
-        cols = np.unique(self.cols)
+        cols = distinct(self.cols)
         if size * cols.size > _MAX_ENTRIES:
             raise DensePattern
         return _Deps(size, np.repeat(np.arange(size), cols.size), np.tile(cols, size), clean=True)
@@ -171,7 +180,7 @@ _ALONG_AXIS = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 # Calls of one nested jaxpr with the same operands.
 _CALLS = frozenset(
     """
-    jit pjit closed_call core_call checkpoint remat custom_jvp_call custom_vjp_call
+    jit pjit closed_call core_call checkpoint remat remat2 custom_jvp_call custom_vjp_call
     custom_vjp_call_jaxpr
     """.split()
 )
@@ -486,31 +495,39 @@ class _Tracer:
             lhs.shape[2:], kernel, out.shape[2:], params["window_strides"], params["padding"],
             params["lhs_dilation"], params["rhs_dilation"],
         )  # fmt: skip
-        # (output position, kernel offset) pairs that reach an input position.
+        # (output position, kernel offset) pairs that reach an input position, grouped
+        # by offset.
         t, k = np.nonzero(src >= 0)
         s = src[t, k]
+        order = np.argsort(k, kind="stable")
+        t, k, s = t[order], k[order], s[order]
+        bounds = np.searchsorted(k, np.arange(src.shape[1] + 1))
         lhs, out = lhs.reshape(n, c, -1), out.reshape(n, o, -1)
         rhs = rhs.reshape(o, c, -1)
         lmask, rmask = masks[0].reshape(n, c, -1), masks[1].reshape(o, c, -1)
-        parts, count = [], 0
-        for offset in np.unique(k):
-            at = k == offset
-            t_at, s_at = t[at], s[at]
-            if in_deps[0] is not None and in_deps[0].rows.size:
+        through_lhs = in_deps[0] is not None and in_deps[0].rows.size
+        through_rhs = in_deps[1] is not None and in_deps[1].rows.size
+        # The pairs to build, counted before building them.
+        count = 0
+        if through_lhs:
+            count += n * int(np.diff(bounds) @ rmask.sum(axis=(0, 1)))
+        if through_rhs:
+            count += o * int(lmask.sum(axis=(0, 1))[s].sum())
+        if count > _MAX_ENTRIES:
+            raise DensePattern
+        parts = []
+        for offset in np.nonzero(np.diff(bounds))[0]:
+            lo, hi = bounds[offset], bounds[offset + 1]
+            t_at, s_at = t[lo:hi], s[lo:hi]
+            oo, cc = np.nonzero(rmask[:, :, offset])
+            if through_lhs and oo.size:
                 # Through the input, wherever the kernel may be nonzero.
-                oo, cc = np.nonzero(rmask[:, :, offset])
-                count += n * t_at.size * oo.size
-                if count > _MAX_ENTRIES:
-                    raise DensePattern
                 rows = out[:, oo[None, :], t_at[:, None]]
                 elems = lhs[:, cc[None, :], s_at[:, None]]
                 parts.append(_pairs(in_deps[0], rows.ravel(), elems.ravel(), size))
-            if in_deps[1] is not None and in_deps[1].rows.size:
+            if through_rhs:
                 # Through the kernel, wherever the input may be nonzero.
                 nn, cc, pp = np.nonzero(lmask[:, :, s_at])
-                count += o * nn.size
-                if count > _MAX_ENTRIES:
-                    raise DensePattern
                 rows = out[nn[:, None], np.arange(o)[None, :], t_at[pp][:, None]]
                 elems = rhs[np.arange(o)[None, :], cc[:, None], offset]
                 parts.append(_pairs(in_deps[1], rows.ravel(), elems.ravel(), size))
@@ -519,6 +536,8 @@ class _Tracer:
     def _windowed(self, params, deps, in_aval, out_aval, size):
         # A window reduction: output t of each dimension takes the inputs its window
         # reaches.
+        if deps is None or not deps.rows.size:  # (a selection's own derivative is zero)
+            return _Deps.empty(size)
         src = _window(
             in_aval.shape, params["window_dimensions"], out_aval.shape,
             params["window_strides"], params["padding"], params["base_dilation"],
@@ -567,6 +586,8 @@ def _window(in_shape, window, out_shape, strides, padding, base_dilation, window
     """`src[t, k]`: the flat input position that window offset `k` reaches from flat
     output position `t` (`-1`: padding, or a hole of the base dilation), for a window
     operation over all of `in_shape`'s dimensions (a convolution's spatial ones)."""
+    if math.prod(out_shape) * math.prod(window) > _MAX_ENTRIES:
+        raise DensePattern
     tables = []
     for size, w, out, stride, (lo, _), base, dil in zip(
         in_shape, window, out_shape, strides, padding, base_dilation, window_dilation
