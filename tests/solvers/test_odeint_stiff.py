@@ -281,15 +281,16 @@ def test_jacrev_over_many_outputs_groups_its_cotangents(x64):
     )
 
 
-@pytest.mark.parametrize("checkpoints", [None, 4])
-def test_gradient_when_the_last_step_overflows_the_record(x64, checkpoints):
+@pytest.mark.parametrize(("checkpoints", "t_end"), [(None, 3.0), (4, 3.0), (1, 0.1)])
+def test_gradient_when_the_last_step_overflows_the_record(x64, checkpoints, t_end):
     """With `throw=False`, a solve whose last step is one more than `max_steps` ends
     with a status, its outputs all reached; their gradient is still exact: the start
     of the overflowing step is kept apart from the others (it once overwrote the first
-    step's start when every start was kept)."""
+    step's start when every start was kept). With one checkpoint on a short solve the
+    segment is exactly `max_steps` long, and that start takes the first one's slot."""
     from solvers.ode import CheckpointAdjoint
 
-    ts = jnp.array([0.0, 0.5, 3.0])
+    ts = jnp.array([0.0, t_end / 6, t_end])
 
     def loss(p, max_steps, checkpoints=None):
         adjoint = CheckpointAdjoint(max_steps=max_steps, checkpoints=checkpoints)

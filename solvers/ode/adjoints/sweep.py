@@ -5,8 +5,8 @@ time and size, the state every `every` steps (about `sqrt(max_steps)`), and the 
 of the latest `every` steps with `f` there. The sweep walks the segments of `every`
 steps last first: it recomputes a segment's states from its checkpoint (the last
 segment's were kept), then pulls the cotangent back through each step with one
-`jax.vjp` of the step. A small system keeps every step's start (`every = max_steps`,
-see `loop.checkpoint_every`): one segment, and no replay is compiled.
+`jax.vjp` of the step. A small system keeps every step's start (`every` above
+`max_steps`, see `loop.checkpoint_every`): one segment, and no replay is compiled.
 Outputs inside a step (`interpolate=True`) are linear in the step's stages, so their
 cotangents join that same pull-back.
 
@@ -134,7 +134,7 @@ class CheckpointSweep(_Sweep):
         # every step's start, shared by the whole batch (one solve, many cotangents),
         # is copied to at most `KEEP_ALL_MAX` numbers at a time: the cotangents go
         # through in groups, one after the other.
-        kept_all = self.every >= rec[0].shape[-1] - 1
+        kept_all = self.every > rec[0].shape[-1] - 1
         numbers = sum(x.size for x in jax.tree_util.tree_leaves(y_cp))
         group = max(1, KEEP_ALL_MAX // max(numbers, 1))
         if kept_all and not jax.tree_util.tree_leaves((d_cp, d_rec)) and size > group:
@@ -413,9 +413,11 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             )
             return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s))
 
-        if every >= cap - 1:
-            # Every step's start was kept (one segment): nothing to replay, and no
-            # replaying step to compile.
+        if every > cap - 1:
+            # Every step's start was kept, that of a step past `max_steps` too (one
+            # segment): nothing to replay, and no replaying step to compile. (With
+            # `every == max_steps`, such a step's start took the first one's slot:
+            # the first segment is then replayed from its checkpoint.)
             ys, k1s = y_last, k_last
         else:
             # No replay at all (and no field evaluation) when every element kept its
