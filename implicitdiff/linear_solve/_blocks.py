@@ -24,13 +24,18 @@ __all__ = [
 BLOCK_MAX = 8
 
 
-def small_components(adjacency: list[np.ndarray], largest: int, nnz: int) -> np.ndarray | None:
-    """The connected parts of the graph with these adjacency lists as the rows of an
+def small_components(
+    adjacency: tuple[np.ndarray, np.ndarray], largest: int, nnz: int
+) -> np.ndarray | None:
+    """The connected parts of the graph with these compressed adjacency rows
+    `(starts, neighbours)` (unknown `i`'s neighbours are
+    `neighbours[starts[i] : starts[i + 1]]`) as the rows of an
     array `(parts, size)` (each part's unknowns in increasing order, padded with
     `-1`), or None when one part has more than `largest` unknowns, when there is only
     one part, or when padding every part to the largest would store more than four
     times the `nnz` entries (one large part among many single unknowns)."""
-    n = len(adjacency)
+    starts, neighbours = adjacency
+    n = starts.size - 1
     label = np.full(n, -1, np.int64)
     parts: list[list[int]] = []
     for start in range(n):
@@ -39,7 +44,8 @@ def small_components(adjacency: list[np.ndarray], largest: int, nnz: int) -> np.
         part, stack = [start], [start]
         label[start] = len(parts)
         while stack:
-            for w in adjacency[stack.pop()]:
+            v = stack.pop()
+            for w in neighbours[starts[v] : starts[v + 1]]:
                 if label[w] < 0:
                     label[w] = len(parts)
                     part.append(int(w))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import warnings
-from collections import deque
 from typing import Any, ClassVar
 
 import jax
@@ -74,7 +73,7 @@ class SparsityPattern:
                     "linear_solve.Sparse: `pattern` given as (rows, cols) needs two "
                     f"index arrays of one length, got shapes {rows.shape} and {cols.shape}"
                 )
-            rows, cols = rows.astype(np.int64), cols.astype(np.int64)
+            rows, cols = rows.astype(np.int64, copy=False), cols.astype(np.int64, copy=False)
             largest = max(rows.max(initial=-1), cols.max(initial=-1))
             n = int(size) if size is not None else int(largest + 1)
             if rows.size and (min(rows.min(), cols.min()) < 0 or max(rows.max(), cols.max()) >= n):
@@ -94,10 +93,9 @@ class SparsityPattern:
             rows, cols = (a.astype(np.int64) for a in np.nonzero(mask))
             n = mask.shape[0]
         diag = np.arange(n)
-        flat = distinct(np.concatenate([rows * n + cols, diag * n + diag]).astype(np.int64))
+        flat = distinct(np.concatenate([rows * n + cols, diag * n + diag]))
         self.n = n
-        self.rows = (flat // n).astype(np.int64)
-        self.cols = (flat % n).astype(np.int64)
+        self.rows, self.cols = np.divmod(flat, n)
         self.rows.setflags(write=False)
         self.cols.setflags(write=False)
         self._digest = hashlib.sha1(np.int64(n).tobytes() + flat.tobytes()).hexdigest()
@@ -114,9 +112,9 @@ class SparsityPattern:
 
     @property
     def colours(self) -> np.ndarray:
-        # Coloured on first use: a greedy distance-2 colouring costs about
-        # `n * (entries per column) * (entries per row)` steps, which a caller that
-        # only looks at the band (`odeint`'s default) need not pay.
+        # Coloured on first use: one pass over the entries, a second or two at ten
+        # million, which a caller that only looks at the band (`odeint`'s default)
+        # need not pay.
         if self._colours is None:
             self._colours = _colour_columns(self.n, self.rows, self.cols)
             self._colours.setflags(write=False)
@@ -176,82 +174,159 @@ def _is_index_pair(pattern: Any) -> bool:
     )
 
 
-def _neighbours(n: int, rows: np.ndarray, cols: np.ndarray) -> list[np.ndarray]:
-    """Adjacency lists of the symmetrised pattern, without the diagonal."""
+def _neighbours(n: int, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The symmetrised pattern without its diagonal as compressed rows `(starts,
+    neighbours)`: unknown `i`'s neighbours, increasing, are
+    `neighbours[starts[i] : starts[i + 1]]`."""
     off = rows != cols
     a = np.concatenate([rows[off], cols[off]])
     b = np.concatenate([cols[off], rows[off]])
-    key = distinct(a * n + b)
-    a, b = key // n, key % n
-    starts = np.searchsorted(a, np.arange(n + 1))
-    return [b[starts[i] : starts[i + 1]] for i in range(n)]
+    first, second = np.divmod(distinct(a * n + b), n)
+    return np.searchsorted(first, np.arange(n + 1)), second
 
 
-def _reverse_cuthill_mckee(n: int, adjacency: list[np.ndarray]) -> np.ndarray:
-    """A reverse Cuthill-McKee ordering of the graph with these adjacency lists:
-    breadth-first from a peripheral unknown of each connected part, neighbours by
-    increasing degree, then reversed."""
-    degree = np.array([a.size for a in adjacency])
+#: A breadth-first level whose nodes have at most this many neighbours in all is
+#: walked node by node in Python; larger ones by array operations (which cost tens of
+#: microseconds however small the level: a long line of unknowns has a level per
+#: unknown).
+_SMALL_LEVEL = 256
+#: The most neighbours `_Search` keeps as a Python list as well.
+_LIST_MAX = 1 << 22
 
-    def levels(start: int, seen: np.ndarray) -> list[int]:
-        order, queue = [start], deque([start])
-        seen[start] = True
-        while queue:
-            node = queue.popleft()
-            fresh = [int(v) for v in adjacency[node] if not seen[v]]
-            fresh.sort(key=lambda v: degree[v])
-            for v in fresh:
-                seen[v] = True
-                queue.append(v)
-            order.extend(fresh)
-        return order
 
-    def peripheral(start: int, seen: np.ndarray) -> int:
+class _Search:
+    """Breadth-first searches over compressed adjacency rows (see `_neighbours`), one
+    level at a time; `seen` marks the nodes already placed (a byte per node, shared
+    by Python's indexing and NumPy's)."""
+
+    def __init__(self, adjacency: tuple[np.ndarray, np.ndarray], key: np.ndarray):
+        self.starts, self.neighbours = adjacency
+        self.bounds = self.starts.tolist()
+        # Small levels read the neighbours from a list (a NumPy slice per node costs
+        # more than the node's work), unless the list would be large.
+        small = self.neighbours.size <= _LIST_MAX
+        self.listed = self.neighbours.tolist() if small else None
+        self.key, self.key_list = key, key.tolist()
+        self.flags = bytearray(self.starts.size - 1)
+        self.seen = np.frombuffer(self.flags, dtype=bool)
+
+    def levels(self, start: int, by_key: bool) -> list[list[int] | np.ndarray]:
+        """The levels of the search from `start` over unseen nodes, each in the order
+        a queue finds them: by the position of the first node of the previous level
+        they neighbour, then by `key` (when `by_key`), then by number. They are
+        marked seen."""
+        self.flags[start] = 1
+        out: list[list[int] | np.ndarray] = [[start]]
+        while len(out[-1]):
+            level, b = out[-1], self.bounds
+            if len(level) <= _SMALL_LEVEL and sum(b[v + 1] - b[v] for v in level) <= _SMALL_LEVEL:
+                out.append(self._next_small(level, by_key))
+            else:
+                out.append(self._next_large(np.asarray(level, np.int64), by_key))
+        return out[:-1]
+
+    def unmark(self, levels: list[list[int] | np.ndarray]) -> None:
+        for level in levels:
+            if isinstance(level, list):
+                for v in level:
+                    self.flags[v] = 0
+            else:
+                self.seen[level] = False
+
+    def _next_small(self, level: list[int], by_key: bool) -> list[int]:
+        found, flags, b = [], self.flags, self.bounds
+        listed, nb = self.listed, self.neighbours
+        for v in level:
+            near = listed[b[v] : b[v + 1]] if listed is not None else nb[b[v] : b[v + 1]].tolist()
+            fresh = [w for w in near if not flags[w]]
+            if by_key and len(fresh) > 1:
+                fresh.sort(key=self.key_list.__getitem__)  # stable: ties stay by number
+            for w in fresh:
+                flags[w] = 1
+            found.extend(fresh)
+        return found
+
+    def _next_large(self, level: np.ndarray, by_key: bool) -> np.ndarray:
+        starts = self.starts
+        first, counts = starts[level], starts[level + 1] - starts[level]
+        offsets = np.repeat(first - (np.cumsum(counts) - counts), counts)
+        found = self.neighbours[offsets + np.arange(int(counts.sum()))]
+        parent = np.repeat(np.arange(level.size), counts)
+        fresh = ~self.seen[found]
+        found, parent = found[fresh], parent[fresh]
+        if found.size == 0:
+            return found
+        if by_key:  # already by (parent, number) otherwise
+            found = found[np.lexsort((found, self.key[found], parent))]
+        # The first time each node is found.
+        by_node = np.argsort(found, kind="stable")
+        node = found[by_node]
+        found = found[np.sort(by_node[np.concatenate([[True], node[1:] != node[:-1]])])]
+        self.seen[found] = True
+        return found
+
+
+def _reverse_cuthill_mckee(n: int, adjacency: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """A reverse Cuthill-McKee ordering of the graph with these compressed adjacency
+    rows (see `_neighbours`): breadth-first from a peripheral unknown of each connected
+    part, neighbours by increasing degree, then reversed. The searches go one level at
+    a time (`_Search`)."""
+    degree = np.diff(adjacency[0])
+    search = _Search(adjacency, degree)
+
+    def peripheral(start: int) -> int:
         # George and Liu: restart from a least-degree node of the last level while the
-        # eccentricity grows.
+        # eccentricity grows. Each trial search unmarks what it visited.
         best_depth = -1
         for _ in range(8):
-            depth = {start: 0}
-            queue = deque([start])
-            while queue:
-                node = queue.popleft()
-                for v in adjacency[node]:
-                    v = int(v)
-                    if v not in depth and not seen[v]:
-                        depth[v] = depth[node] + 1
-                        queue.append(v)
-            far = max(depth.values())
-            if far <= best_depth:
+            found = search.levels(start, by_key=False)
+            search.unmark(found)
+            if len(found) - 1 <= best_depth:
                 break
-            best_depth = far
-            last = [v for v, d in depth.items() if d == far]
-            start = min(last, key=lambda v: degree[v])
+            best_depth = len(found) - 1
+            last = found[-1]
+            if isinstance(last, list):
+                start = min(last, key=search.key_list.__getitem__)
+            else:
+                start = int(last[np.argmin(degree[last])])
         return start
 
-    seen = np.zeros(n, bool)
-    order: list[int] = []
-    for start in np.argsort(degree, kind="stable"):
-        if seen[start]:
+    order: list[list[int] | np.ndarray] = []
+    flags = search.flags
+    for start in np.argsort(degree, kind="stable").tolist():
+        if flags[start]:
             continue
-        order.extend(levels(peripheral(int(start), seen), seen))
-    return np.asarray(order[::-1], np.int64)
+        if search.key_list[start] == 0:  # alone: its own part
+            flags[start] = 1
+            order.append([start])
+            continue
+        order.extend(search.levels(peripheral(start), by_key=True))
+    flat = [np.asarray(level, np.int64) for level in order]
+    return np.concatenate(flat)[::-1] if flat else np.zeros(0, np.int64)
 
 
 def _colour_columns(n: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """A greedy column colouring: columns that share a row get different colours."""
+    """A greedy column colouring: columns that share a row get different colours.
+
+    Columns are coloured in order, each with the smallest colour no column sharing one
+    of its rows has. Each row keeps the colours its columns took as the bits of one
+    integer, so a column's forbidden colours are the union of its rows' sets: the work
+    is one pass over the entries, not over the pairs of columns that share a row.
+    """
     by_col = np.argsort(cols, kind="stable")
-    col_starts = np.searchsorted(cols[by_col], np.arange(n + 1))
-    rows_of = [rows[by_col[col_starts[j] : col_starts[j + 1]]].tolist() for j in range(n)]
-    by_row = np.argsort(rows, kind="stable")
-    row_starts = np.searchsorted(rows[by_row], np.arange(n + 1))
-    cols_of = [cols[by_row[row_starts[i] : row_starts[i + 1]]].tolist() for i in range(n)]
-    colours = [-1] * n
+    col_starts = np.searchsorted(cols[by_col], np.arange(n + 1)).tolist()
+    rows_by_col = rows[by_col].tolist()
+    used = [0] * n  # used[i]: bit c set when a column of row i has colour c
+    colours = [0] * n
     for j in range(n):
-        taken = {colours[k] for i in rows_of[j] for k in cols_of[i]}
-        c = 0
-        while c in taken:
-            c += 1
-        colours[j] = c
+        rows_j = rows_by_col[col_starts[j] : col_starts[j + 1]]
+        taken = 0
+        for i in rows_j:
+            taken |= used[i]
+        bit = ~taken & (taken + 1)  # the lowest colour not taken
+        colours[j] = bit.bit_length() - 1
+        for i in rows_j:
+            used[i] |= bit
     return np.asarray(colours, np.int64)
 
 

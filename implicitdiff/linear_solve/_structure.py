@@ -20,10 +20,12 @@ Each floating-point value holds its dependencies as a list of pairs `(element, i
   the same when their indices are constants of the trace;
 - reductions and `dot_general`: the union over the elements combined (with a constant
   operand of `dot_general`, only its nonzero entries couple);
-- convolutions (`conv_general_dilated`, without feature or batch groups) and window
-  operations (`reduce_window_sum`/`max`/`min`, and the window maximum's derivative):
-  each output takes the inputs its window reaches, found from the strides, padding
-  and dilations, and for a convolution only where the other operand may be nonzero;
+- convolutions (`conv_general_dilated`, feature groups included, batch groups not)
+  and window operations (`reduce_window_sum`/`max`/`min`, the window maximum's
+  derivative and its transpose, max pooling's gradient): each output takes the inputs
+  its window reaches (or, for the transpose, the windows that reach it), found from
+  the strides, padding and dilations, and for a convolution only where the other
+  operand may be nonzero;
 - `cumsum`, `sort` and the like: the union along the axis;
 - nested jaxprs (`jit`, `checkpoint`, `cond`): followed inside;
 - anything else (loops, linear algebra, unknown operations): every output element
@@ -402,6 +404,8 @@ class _Tracer:
             return None if conv is None else [conv]
         if name in _WINDOWED:
             return [self._windowed(params, in_deps[0], in_avals[0], out_aval, size)]
+        if name == "select_and_scatter_add":
+            return [self._scattered(params, in_deps[0], in_avals[1], in_avals[0], size)]
         if name.startswith("scatter"):
             return [self._scatter(eqn, in_deps, in_vals, in_avals, size)]
         if name in _MOVES:
@@ -475,10 +479,13 @@ class _Tracer:
         return _union(size, parts)
 
     def _conv(self, params, in_deps, in_vals, in_avals, out_aval, size):
-        # Output (n, o, t) sums input (n, c, s) times kernel (o, c, k) over the kernel
-        # offsets k, with s the input position that offset reaches from t (`_window`).
-        if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+        # Output (n, o, t) sums input (n, g cg + c, s) times kernel (o, c, k) over the
+        # kernel offsets k and the kernel's cg input channels c, with s the input
+        # position that offset reaches from t (`_window`) and g = o // og the feature
+        # group of output channel o (`og` output channels per group).
+        if params["batch_group_count"] != 1:
             return None
+        groups = params["feature_group_count"]
         dn = params["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
         lhs = np.transpose(_positions(in_avals[0].shape), lhs_spec)
@@ -489,7 +496,8 @@ class _Tracer:
             for v, a, spec in zip(in_vals, in_avals, (lhs_spec, rhs_spec))
         ]
         n, c = lhs.shape[:2]
-        o = rhs.shape[0]
+        o, cg = rhs.shape[:2]
+        og = o // groups
         kernel = rhs.shape[2:]
         src = _window(
             lhs.shape[2:], kernel, out.shape[2:], params["window_strides"], params["padding"],
@@ -503,8 +511,8 @@ class _Tracer:
         t, k, s = t[order], k[order], s[order]
         bounds = np.searchsorted(k, np.arange(src.shape[1] + 1))
         lhs, out = lhs.reshape(n, c, -1), out.reshape(n, o, -1)
-        rhs = rhs.reshape(o, c, -1)
-        lmask, rmask = masks[0].reshape(n, c, -1), masks[1].reshape(o, c, -1)
+        rhs = rhs.reshape(o, cg, -1)
+        lmask, rmask = masks[0].reshape(n, c, -1), masks[1].reshape(o, cg, -1)
         through_lhs = in_deps[0] is not None and in_deps[0].rows.size
         through_rhs = in_deps[1] is not None and in_deps[1].rows.size
         # The pairs to build, counted before building them.
@@ -512,7 +520,7 @@ class _Tracer:
         if through_lhs:
             count += n * int(np.diff(bounds) @ rmask.sum(axis=(0, 1)))
         if through_rhs:
-            count += o * int(lmask.sum(axis=(0, 1))[s].sum())
+            count += og * int(lmask.sum(axis=(0, 1))[s].sum())
         if count > _MAX_ENTRIES:
             raise DensePattern
         parts = []
@@ -523,13 +531,15 @@ class _Tracer:
             if through_lhs and oo.size:
                 # Through the input, wherever the kernel may be nonzero.
                 rows = out[:, oo[None, :], t_at[:, None]]
-                elems = lhs[:, cc[None, :], s_at[:, None]]
+                elems = lhs[:, ((oo // og) * cg + cc)[None, :], s_at[:, None]]
                 parts.append(_pairs(in_deps[0], rows.ravel(), elems.ravel(), size))
             if through_rhs:
-                # Through the kernel, wherever the input may be nonzero.
-                nn, cc, pp = np.nonzero(lmask[:, :, s_at])
-                rows = out[nn[:, None], np.arange(o)[None, :], t_at[pp][:, None]]
-                elems = rhs[np.arange(o)[None, :], cc[:, None], offset]
+                # Through the kernel, wherever the input may be nonzero: input channel
+                # cl meets the output channels of its group.
+                nn, cl, pp = np.nonzero(lmask[:, :, s_at])
+                oo = (cl // cg)[:, None] * og + np.arange(og)[None, :]
+                rows = out[nn[:, None], oo, t_at[pp][:, None]]
+                elems = rhs[oo, (cl % cg)[:, None], offset]
                 parts.append(_pairs(in_deps[1], rows.ravel(), elems.ravel(), size))
         return _union(size, parts)
 
@@ -545,6 +555,20 @@ class _Tracer:
         )  # fmt: skip
         t, k = np.nonzero(src >= 0)
         return _pairs(deps, t, src[t, k], size)
+
+    def _scattered(self, params, deps, out_aval, source_aval, size):
+        # The transpose of a window maximum's derivative (max pooling's gradient):
+        # each window adds its source element to the input it selects, so an output
+        # takes the source elements of every window that reaches it.
+        if deps is None or not deps.rows.size:  # (the selection's derivative is zero)
+            return _Deps.empty(size)
+        ones = (1,) * len(out_aval.shape)
+        src = _window(
+            out_aval.shape, params["window_dimensions"], source_aval.shape,
+            params["window_strides"], params["padding"], ones, ones,
+        )  # fmt: skip
+        t, k = np.nonzero(src >= 0)
+        return _pairs(deps, src[t, k], t, size)
 
     def _scatter(self, eqn, in_deps, in_vals, in_avals, size):
         operand, indices, updates = in_deps[0], in_vals[1], in_deps[2]

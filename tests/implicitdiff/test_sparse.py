@@ -71,6 +71,40 @@ def test_reordering_recovers_the_band():
     assert p.num_colours == 3
 
 
+def test_reordering_walks_narrow_and_wide_levels_alike(monkeypatch):
+    """The reverse Cuthill-McKee search walks narrow levels node by node and wide ones
+    with array operations: both give the same order (a shuffled line, a shuffled 3-D
+    grid whose levels hold hundreds of unknowns, isolated unknowns, and no unknown)."""
+    from implicitdiff.linear_solve import _sparse
+
+    rng = np.random.default_rng(0)
+    line = np.arange(2999)
+    k = 12
+    idx = np.arange(k**3).reshape(k, k, k)
+    grid_rows = np.concatenate([idx[1:].ravel(), idx[:, 1:].ravel(), idx[:, :, 1:].ravel()])
+    grid_cols = np.concatenate([idx[:-1].ravel(), idx[:, :-1].ravel(), idx[:, :, :-1].ravel()])
+    cases = {
+        "line": (3000, line, line + 1),
+        "grid": (k**3, grid_rows, grid_cols),
+        "isolated": (50, np.array([3, 7]), np.array([9, 40])),
+        "empty": (0, np.zeros(0, int), np.zeros(0, int)),
+    }
+    for name, (n, rows, cols) in cases.items():
+        shuffle = rng.permutation(n)
+        pattern = (shuffle[rows], shuffle[cols])
+        orders = []
+        for small in (0, 10**9):  # every level by arrays, then every level node by node
+            monkeypatch.setattr(_sparse, "_SMALL_LEVEL", small)
+            orders.append(linear_solve.SparsityPattern(pattern, n).order)
+        np.testing.assert_array_equal(orders[0], orders[1], err_msg=name)
+        assert sorted(orders[0]) == list(range(n)), name
+    shuffle = rng.permutation(3000)
+    p = linear_solve.SparsityPattern((shuffle[line], shuffle[line + 1]), 3000)
+    assert max(p.lower, p.upper) == 1  # back to a line
+    empty = linear_solve.SparsityPattern(np.zeros((0, 0), bool))
+    assert (empty.n, empty.nnz, empty.num_colours) == (0, 0, 0)
+
+
 def test_colouring_is_valid_and_small():
     """No two columns of one colour share a row; the 5-point stencil on a periodic
     32 x 32 grid needs a handful of colours, not 1024."""

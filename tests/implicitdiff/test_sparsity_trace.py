@@ -294,10 +294,13 @@ def test_random_compositions_hold_every_entry(x64, seed):
 
 _LAPLACE = np.array([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]])
 _KERNEL = RNG.normal(size=(3, 2, 3, 2)) * (RNG.random((3, 2, 3, 2)) < 0.6)
+# Two feature groups: output channels 0, 1 read input channel 0; 2, 3 read channel 1.
+_GROUPED = RNG.normal(size=(4, 2, 3, 1)) * (RNG.random((4, 2, 3, 1)) < 0.6)
 
 
 def _conv(y, kernel=_KERNEL, **kw):
-    # Two input channels on a 5 x 4 grid (NHWC), three output channels.
+    # Two input channels on a 5 x 4 grid (NHWC); the kernel (OHWI) has the output
+    # channels (three for `_KERNEL`).
     z = y.reshape(1, 5, 4, 2)
     kernel = jnp.asarray(kernel, z.dtype)
     dn = jax.lax.conv_dimension_numbers(z.shape, kernel.shape, ("NHWC", "OHWI", "NHWC"))
@@ -346,6 +349,36 @@ WINDOWS = {
         lambda v: _conv(v[:40], v[40:].reshape(3, 2, 3, 2), window_strides=(2, 2), padding="SAME"),
         jnp.ones(76),
     ),  # fmt: skip
+    "conv with feature groups": (
+        lambda y: _conv(y, _GROUPED, window_strides=(1, 1), padding="SAME", feature_group_count=2),
+        jnp.ones(40),
+    ),
+    "depthwise conv, strided": (
+        lambda y: _conv(
+            y, _GROUPED[::2], window_strides=(2, 1), padding="SAME", feature_group_count=2
+        ),
+        jnp.ones(40),
+    ),
+    "conv with feature groups, in the kernel": (
+        lambda k: _conv(
+            jnp.arange(40.0) % 3,
+            k.reshape(4, 2, 3, 1),
+            window_strides=(1, 1),
+            padding="SAME",
+            feature_group_count=2,
+        ),
+        jnp.ones(24),
+    ),  # fmt: skip
+    "conv with feature groups, in both operands": (
+        lambda v: _conv(
+            v[:40],
+            v[40:].reshape(4, 2, 3, 1),
+            window_strides=(1, 2),
+            padding="SAME",
+            feature_group_count=2,
+        ),
+        jnp.ones(64),
+    ),  # fmt: skip
     "window sum, strided, padded, dilated": (
         lambda y: jax.lax.reduce_window(
             y.reshape(6, 5),
@@ -378,13 +411,19 @@ def test_traced_pattern_of_convolutions_and_windows(x64, name):
     assert traced - diagonal == _evaluated(fn, x) - diagonal
 
 
-def test_traced_pattern_of_a_grouped_convolution(x64):
-    """Feature groups are not followed: every output depends on every input."""
-    fn = _square(
-        lambda y: _conv(y, _KERNEL[:, :, :, :1].repeat(2, 0)[:2], window_strides=(1, 1),
-                        padding="SAME", feature_group_count=2),
-        40,
-    )  # fmt: skip
+def test_traced_pattern_of_a_batch_grouped_convolution(x64):
+    """Batch groups (a grouped convolution's kernel derivative) are not followed:
+    every output depends on every input."""
+
+    def fn(y):
+        z = y.reshape(2, 5, 4, 1)  # two batch groups of one image each
+        kernel = jnp.asarray(_GROUPED[:, :, :, :1], z.dtype)
+        dn = jax.lax.conv_dimension_numbers(z.shape, kernel.shape, ("NHWC", "OHWI", "NHWC"))
+        return jax.lax.conv_general_dilated(
+            z, kernel, (1, 1), "SAME", dimension_numbers=dn, batch_group_count=2
+        )
+
+    fn = _square(fn, 40)
     traced, _ = _traced(fn, jnp.ones(40))
     assert _evaluated(fn, jnp.ones(40)) <= traced and len(traced) == 40 * 40
 
@@ -405,3 +444,25 @@ def test_traced_pattern_of_a_window_maximum(x64):
         20,
     )  # fmt: skip
     assert traced == _traced(windows, jnp.ones(20))[0]
+
+
+def test_traced_pattern_of_max_pooling_gradient(x64):
+    """The transpose of a window maximum's derivative (the gradient of max pooling)
+    adds each window's source element to the input it selects: the traced pattern
+    holds, for each input, the windows that reach it (the window sum's transposed
+    pattern), and every entry of the evaluated Jacobian."""
+
+    def pool(z, reduce, init):
+        return jax.lax.reduce_window(z, init, reduce, (2, 3), (1, 1), "SAME")
+
+    x0 = jnp.asarray(RNG.normal(size=(5, 4)))
+    _, pull_back = jax.vjp(lambda z: pool(z, jax.lax.max, -jnp.inf), x0)
+
+    def fn(y):  # the source depends on y, the selection does not
+        return pull_back(y.reshape(5, 4) * y[::-1].reshape(5, 4))[0]
+
+    traced, _ = _traced(fn, jnp.ones(20))
+    assert _evaluated(fn, jnp.ones(20), points=8) <= traced
+    summed, _ = _traced(lambda y: pool(y.reshape(5, 4), jax.lax.add, 0.0), jnp.ones(20))
+    reversed_ = {(j, 19 - i) for i, j in summed}  # the source's y[::-1] part
+    assert traced == {(j, i) for i, j in summed} | reversed_
