@@ -137,7 +137,14 @@ def test_invalid_bandwidths(bad):
 
 
 @pytest.mark.parametrize(
-    "n, lower, upper", [(70, 16, 3), (61, 2, 17), (40, 20, 20), (16, 16, 16), (5, 16, 0)]
+    "n, lower, upper",
+    [
+        (70, 16, 3),  # several blocks
+        pytest.param(61, 2, 17, marks=pytest.mark.slow),
+        pytest.param(40, 20, 20, marks=pytest.mark.slow),
+        pytest.param(16, 16, 16, marks=pytest.mark.slow),
+        (5, 16, 0),
+    ],
 )
 def test_blocked_factorisation_of_wide_bands(x64, n, lower, upper):
     """Wide bands are factored by blocks (`band_lu_blocks`); both layouts solve with
