@@ -27,12 +27,16 @@ def interleaved(
     *,
     args: tuple[Any, ...] = (),
     warmup: bool = True,
+    min_time: float = 0.0,
+    max_rounds: int = 200,
 ) -> dict[str, float]:
     """Median seconds per call `f(*args)`; implementations take turns in blocks of
     `block` calls, starting with a different one each round, so that background load
     hits all alike. An implementation that has taken `budget` seconds is not called
     again. With `warmup`, one untimed round in turn comes first (the first slot ran
-    slow)."""
+    slow). After `rounds` rounds, an implementation whose samples add up to less than
+    `min_time` seconds goes on (up to `max_rounds` rounds), so a call of a millisecond
+    gets a median of many samples rather than of a handful."""
     import jax
 
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -44,10 +48,14 @@ def interleaved(
     gc.collect()
     gc.disable()
     try:
-        for r in range(rounds):
+        r = 0
+        while True:
+            short = {name for name in names if sum(samples[name]) < min_time}
+            if r >= rounds and (not short or r >= max_rounds):
+                break
             for name in rotated(names, r):
                 f, out = fns[name], samples[name]
-                if out and sum(out) > budget:
+                if (out and sum(out) > budget) or (r >= rounds and name not in short):
                     continue
                 for _ in range(block):
                     t0 = perf_counter()
@@ -55,6 +63,7 @@ def interleaved(
                     out.append(perf_counter() - t0)
             if r % 10 == 9:
                 gc.collect()
+            r += 1
     finally:
         gc.enable()
     return {name: statistics.median(xs) for name, xs in samples.items() if xs}

@@ -282,6 +282,11 @@ class Row:
     note: str = ""
 
 
+#: Each timed implementation gets at least this many seconds of samples (more rounds
+#: for calls of a millisecond or two, whose median of a few calls would be noisy).
+MIN_TIME = 0.25
+
+
 def _time_host(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -307,7 +312,7 @@ def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
         y, steps = jax.block_until_ready(solve(p))
         rows[name] = Row(name, steps=int(steps), err=error(y, ref, prob.atol))
     # Per-call medians, the implementations taking turns.
-    med = interleaved(solves, rounds=rounds, block=1, budget=20.0, args=(p,))
+    med = interleaved(solves, rounds=rounds, block=1, budget=20.0, args=(p,), min_time=MIN_TIME)
     for name, t in med.items():
         rows[name].forward = t
     for name, loss in losses.items():
@@ -320,7 +325,7 @@ def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
         if not np.all(np.isfinite(np.asarray(gv))):
             rows[name].note = "non-finite gradient"
         rows[name].grad = interleaved(
-            {name: compiled}, rounds=rounds, block=1, budget=20.0, args=(p,)
+            {name: compiled}, rounds=rounds, block=1, budget=20.0, args=(p,), min_time=MIN_TIME
         )[name]
     for method in SCIPY if prob.has_peers else ():
         name = f"scipy {method}"
@@ -578,7 +583,7 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
         log(f"  {prob.name}: {name} forward")
         y, steps = jax.block_until_ready(solve(p))
         rows[name] = Row(name, steps=int(steps), err=error(y, ref, prob.atol))
-    med = interleaved(solves, rounds=rounds, block=1, budget=30.0, args=(p,))
+    med = interleaved(solves, rounds=rounds, block=1, budget=30.0, args=(p,), min_time=MIN_TIME)
     for name, t in med.items():
         rows[name].forward = t
     for name, loss in losses.items():
@@ -591,7 +596,7 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
         rows[name].grad_compile = time.perf_counter() - t0
         jax.block_until_ready(compiled(p))
         rows[name].grad = interleaved(
-            {name: compiled}, rounds=rounds, block=1, budget=30.0, args=(p,)
+            {name: compiled}, rounds=rounds, block=1, budget=30.0, args=(p,), min_time=MIN_TIME
         )[name]
     lsoda = "dense" if prob.band is None else "banded"
     for method in SCIPY:
