@@ -191,7 +191,7 @@ def _neighbours(n: int, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray,
 #: unknown).
 _SMALL_LEVEL = 256
 #: The most neighbours `_Search` keeps as a Python list as well.
-_LIST_MAX = 1 << 22
+_LIST_MAX = 1 << 20
 
 
 class _Search:
