@@ -43,6 +43,7 @@ __all__ = [
     "attempt",
     "carrier",
     "checkpoint_every",
+    "keeps_every_start",
     "stepper",
     "while_any",
 ]
@@ -105,6 +106,14 @@ def checkpoint_every(record: int, numbers: int = 0, checkpoints: int = 0) -> int
         return every
     every = math.isqrt(record)
     return every - every % LINEARIZE_CHUNK if every >= LINEARIZE_CHUNK else every
+
+
+def keeps_every_start(every: int, slots: int) -> bool:
+    """Whether a record of `slots` step times (`max_steps + 1`) with a checkpoint every
+    `every` steps kept every step's start, that of a step past `max_steps` too: one
+    segment, nothing to replay. (With `every == max_steps`, such a step's start takes
+    the first one's slot, and the first segment is replayed from its checkpoint.)"""
+    return every > slots - 1
 
 
 def stepper(field, method: AbstractMethod):

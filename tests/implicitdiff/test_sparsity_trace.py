@@ -298,6 +298,11 @@ _KERNEL = RNG.normal(size=(3, 2, 3, 2)) * (RNG.random((3, 2, 3, 2)) < 0.6)
 _GROUPED = RNG.normal(size=(4, 2, 3, 1)) * (RNG.random((4, 2, 3, 1)) < 0.6)
 
 
+def _grouped(y, kernel, strides):
+    # `_conv` in two feature groups, "SAME" padding.
+    return _conv(y, kernel, window_strides=strides, padding="SAME", feature_group_count=2)
+
+
 def _conv(y, kernel=_KERNEL, **kw):
     # Two input channels on a 5 x 4 grid (NHWC); the kernel (OHWI) has the output
     # channels (three for `_KERNEL`).
@@ -349,36 +354,16 @@ WINDOWS = {
         lambda v: _conv(v[:40], v[40:].reshape(3, 2, 3, 2), window_strides=(2, 2), padding="SAME"),
         jnp.ones(76),
     ),  # fmt: skip
-    "conv with feature groups": (
-        lambda y: _conv(y, _GROUPED, window_strides=(1, 1), padding="SAME", feature_group_count=2),
-        jnp.ones(40),
-    ),
-    "depthwise conv, strided": (
-        lambda y: _conv(
-            y, _GROUPED[::2], window_strides=(2, 1), padding="SAME", feature_group_count=2
-        ),
-        jnp.ones(40),
-    ),
+    "conv with feature groups": (lambda y: _grouped(y, _GROUPED, (1, 1)), jnp.ones(40)),
+    "depthwise conv, strided": (lambda y: _grouped(y, _GROUPED[::2], (2, 1)), jnp.ones(40)),
     "conv with feature groups, in the kernel": (
-        lambda k: _conv(
-            jnp.arange(40.0) % 3,
-            k.reshape(4, 2, 3, 1),
-            window_strides=(1, 1),
-            padding="SAME",
-            feature_group_count=2,
-        ),
+        lambda k: _grouped(jnp.arange(40.0) % 3, k.reshape(4, 2, 3, 1), (1, 1)),
         jnp.ones(24),
-    ),  # fmt: skip
+    ),
     "conv with feature groups, in both operands": (
-        lambda v: _conv(
-            v[:40],
-            v[40:].reshape(4, 2, 3, 1),
-            window_strides=(1, 2),
-            padding="SAME",
-            feature_group_count=2,
-        ),
+        lambda v: _grouped(v[:40], v[40:].reshape(4, 2, 3, 1), (1, 2)),
         jnp.ones(64),
-    ),  # fmt: skip
+    ),
     "window sum, strided, padded, dilated": (
         lambda y: jax.lax.reduce_window(
             y.reshape(6, 5),

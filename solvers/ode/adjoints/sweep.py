@@ -54,7 +54,7 @@ from ..interpolation import (
     output_moments,
     pull_back_outputs,
 )
-from ..loop import KEEP_ALL_MAX, LINEARIZE_CHUNK, LoopConfig, stepper
+from ..loop import KEEP_ALL_MAX, LINEARIZE_CHUNK, LoopConfig, keeps_every_start, stepper
 from ..methods import combine_carry, partition_carry, select
 from ..outputs import output_window
 
@@ -134,7 +134,7 @@ class CheckpointSweep(_Sweep):
         # every step's start, shared by the whole batch (one solve, many cotangents),
         # is copied to at most `KEEP_ALL_MAX` numbers at a time: the cotangents go
         # through in groups, one after the other.
-        kept_all = self.every > rec[0].shape[-1] - 1
+        kept_all = keeps_every_start(self.every, rec[0].shape[-1])
         numbers = sum(x.size for x in jax.tree_util.tree_leaves(y_cp))
         group = max(1, KEEP_ALL_MAX // max(numbers, 1))
         if kept_all and not jax.tree_util.tree_leaves((d_cp, d_rec)) and size > group:
@@ -413,11 +413,8 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             )
             return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s))
 
-        if every > cap - 1:
-            # Every step's start was kept, that of a step past `max_steps` too (one
-            # segment): nothing to replay, and no replaying step to compile. (With
-            # `every == max_steps`, such a step's start took the first one's slot:
-            # the first segment is then replayed from its checkpoint.)
+        if keeps_every_start(every, cap):
+            # Nothing to replay, and no replaying step to compile.
             ys, k1s = y_last, k_last
         else:
             # No replay at all (and no field evaluation) when every element kept its
