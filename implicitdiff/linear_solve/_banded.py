@@ -380,6 +380,12 @@ class BandLU(Factored):
     def _reorder(self) -> tuple[np.ndarray, np.ndarray] | None:
         return None
 
+    @property
+    def factors_in_batches(self) -> bool:
+        # The row-by-row factorisation of a narrow band batches well (one scan for the
+        # batch); the blocked one of a wide band does not (see `LinearSolver`).
+        return max(self._widths()) < BLOCKED_MIN_BANDWIDTH
+
     def _check_size(self, n: int) -> None:
         del n
 

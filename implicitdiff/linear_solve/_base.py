@@ -68,6 +68,16 @@ class LinearSolver(abc.ABC):
     #: differentiates in reverse mode with `matvec` itself instead of its transpose.
     symmetric: bool = False
 
+    @property
+    def factors_in_batches(self) -> bool:
+        """Whether `init` on a batch of operators at once (under `vmap`) costs less per
+        operator on CPU than one `init` after another. True unless the solver says
+        otherwise (the blocked factorisation of a wide band does: its batched block
+        LUs and triangular solves run one matrix at a time, with the batch's overheads
+        on top). Code that may prepare several systems together (the checkpointed
+        adjoint of `odeint` linearises eight steps at once) asks this first."""
+        return True
+
     @abc.abstractmethod
     def init(self, matvec: MatVec, b_like: PyTree) -> PyTree:
         """Prepare to solve with the operator `matvec`.

@@ -171,6 +171,30 @@ def test_blocked_factorisation_of_wide_bands(x64, n, lower, upper):
     np.testing.assert_allclose(x, np.linalg.solve(a, b), rtol=1e-9, atol=1e-10)
 
 
+def test_factors_in_batches_follows_the_factorisation():
+    """A narrow band (factored row by row) and small blocks batch well under `vmap`; a
+    wide band's blocked factorisation does not (`LinearSolver.factors_in_batches`)."""
+    from implicitdiff.linear_solve._banded import BLOCKED_MIN_BANDWIDTH as WIDE
+
+    assert linear_solve.Dense().factors_in_batches
+    assert linear_solve.Banded(2, 2).factors_in_batches
+    assert linear_solve.Banded(WIDE - 1, 3).factors_in_batches
+    assert not linear_solve.Banded(0, WIDE).factors_in_batches
+    assert not linear_solve.Banded(2, 2).coupled(8).factors_in_batches  # widened to 23
+    line = np.arange(200)
+    pairs = linear_solve.Sparse((np.r_[line, line[1:]], np.r_[line, line[:-1]]))
+    assert pairs.pattern.lower == 1 and pairs.factors_in_batches
+    blocks = linear_solve.Sparse((line, line ^ 1))  # 100 independent pairs
+    assert blocks.pattern.blocks is not None and blocks.factors_in_batches
+    # A periodic 10 x 20 grid's 5-point stencil: no narrow band after reordering.
+    grid = line.reshape(10, 20)
+    near = [np.roll(grid, s, a).ravel() for s in (1, -1) for a in (0, 1)]
+    stencil = linear_solve.Sparse((np.tile(line, 5), np.concatenate([line, *near])))
+    assert stencil.pattern.blocks is None
+    assert max(stencil.pattern.lower, stencil.pattern.upper) >= WIDE
+    assert not stencil.factors_in_batches
+
+
 def test_wide_band_on_no_unknowns(x64):
     solver = linear_solve.Banded(16, 16)
     state = solver.init(lambda v: v, jnp.zeros(0))

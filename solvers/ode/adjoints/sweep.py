@@ -16,9 +16,11 @@ solution) depend only on the recomputed states. So for one solve of at least
 `LINEARIZE_MIN_STATES` states, `LINEARIZE_CHUNK` steps are linearised at once under
 `vmap`, their pull-backs kept as pytrees with a leading chunk axis, and then applied
 one at a time, last first. The batch runs the chunk's factorisations and field
-evaluations together (a band LU of 512 unknowns costs about a seventh as much per
-matrix in a batch of 64 as alone); the price is a chunk's linearisations held at once
-and a last chunk that may run past its segment's steps. The replay knows each step's
+evaluations together (a narrow band's LU of 512 unknowns costs about a seventh as much
+per matrix in a batch of 64 as alone); the price is a chunk's linearisations held at
+once and a last chunk that may run past its segment's steps. A stage solver whose
+factorisation does not batch well on CPU (`LinearSolver.factors_in_batches`: a wide
+band's blocked LU) is linearised one step at a time there. The replay knows each step's
 end (the next step's start, or the next checkpoint) and hands it to the method
 (`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
 iterating again.
@@ -197,8 +199,23 @@ _GROUPED_MAX = 4096
 # once. Measured on CPU (jit(grad), compile and run): a 128-state band system's
 # gradient runs 27% faster in chunks of eight and compiles 40% slower; at 32 states
 # (dense) and at 8 (HIRES, rodas5p: 25% faster, a third more compile time) the batch
-# gains little against the loop's own overheads.
+# gains little against the loop's own overheads. A wide band's blocked factorisation
+# batches badly (`LinearSolver.factors_in_batches`): on a 16 x 16 grid (512 states,
+# bandwidth 32 after reordering) eight of them at once take 10.6 ms, one alone 1.2 ms,
+# and the gradients run 25-45% faster unchunked.
 LINEARIZE_MIN_STATES = 100
+
+
+def chunk_size(method: Any, size: int, n: int, every: int) -> int:
+    """How many steps the sweep linearises at once: `LINEARIZE_CHUNK` (a divisor of
+    `every`) for one solve (`size` 1; a batch of solves already linearises its
+    elements together) of at least `LINEARIZE_MIN_STATES` states, unless its stage
+    solver factors a batch no faster than one matrix after another on CPU; else 1."""
+    solver = method.derivative_solver
+    batches = solver is None or solver.factors_in_batches or jax.default_backend() != "cpu"
+    if size == 1 and n >= LINEARIZE_MIN_STATES and batches:
+        return math.gcd(every, LINEARIZE_CHUNK)
+    return 1
 
 
 def _axes_like(tree: Any, axis: int | None) -> Any:
@@ -251,10 +268,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     window = output_window(n_out, n)
     pd_axes, pn_axes = p_axes
     step = stepper(f, method)
-    # Linearisations in chunks for one solve of a large enough state (a batch of solves
-    # already linearises its elements together; see `LINEARIZE_MIN_STATES`).
-    chunked = size == 1 and n >= LINEARIZE_MIN_STATES
-    chunk = math.gcd(every, LINEARIZE_CHUNK) if chunked else 1
+    chunk = chunk_size(method, size, n, every)
 
     def one_step(y, k1, t, h, pd, pn, *end):
         # One element's step from `y` with carry `k1`, with what its interpolant is

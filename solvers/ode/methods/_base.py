@@ -215,6 +215,13 @@ class AbstractMethod(abc.ABC):
         return int(self.implicit)
 
     @property
+    def derivative_solver(self) -> Any:
+        """The `LinearSolver` a step's derivative prepares (factors) at each step: an
+        implicit method's stage solver, for the systems its derivative solves; `None`
+        for an explicit method."""
+        return None
+
+    @property
     def interpolation(self) -> Any:
         """diffrax's class for the method's own continuous extension (a polynomial in
         the stages), or `None` for the cubic Hermite interpolant through the values

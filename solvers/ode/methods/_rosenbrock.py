@@ -126,6 +126,10 @@ class Rosenbrock(AbstractMethod):
         # Stages 2..s, and `f` at the step's end for the next step's first stage.
         return self.stages
 
+    @property
+    def derivative_solver(self) -> LinearSolver:
+        return self.linear_solver
+
     def continuous_weights(self) -> np.ndarray | None:
         """The continuous extension on the basis `[y, y1, k1_next, k_1, ..., k_s]`
         (see `solvers.ode.interpolation`), or `None` for cubic Hermite."""

@@ -189,6 +189,10 @@ class BDF(AbstractMethod):
         # Only the corrector's own evaluations (one per Newton iteration).
         return 0
 
+    @property
+    def derivative_solver(self) -> LinearSolver:
+        return self.linear_solver
+
     def initial_carry(self, y0, k0):
         dt = y0.dtype
         if self.mass_matrix is not None:

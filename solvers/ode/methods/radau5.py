@@ -143,6 +143,10 @@ class Radau5(AbstractMethod):
         return 1
 
     @property
+    def derivative_solver(self) -> LinearSolver:
+        return self.linear_solver.coupled(3)  # the collocation equations' derivative
+
+    @property
     def factorisations_per_step(self) -> int:
         # The real system and the complex one.
         return 2
