@@ -384,12 +384,40 @@ def test_default_stage_solver_pattern_holds_at_every_time(x64):
     np.testing.assert_allclose(ys, yb, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("method", ["bdf", pytest.param("kvaerno5", marks=pytest.mark.slow)])
+def test_chunk_size_follows_the_stage_solver():
+    """The adjoint sweep linearises `LINEARIZE_CHUNK` steps at once for one solve of
+    at least `LINEARIZE_MIN_STATES` states, unless (on CPU) the solver its step's
+    derivative prepares factors a batch badly (`factors_in_batches`: a wide band)."""
+    from solvers.ode.adjoints import sweep
+    from solvers.ode.methods import resolve_method
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the rule is for CPU")
+
+    def with_solver(name, solver):
+        return dataclasses.replace(resolve_method("odeint", name), linear_solver=solver)
+
+    narrow, wide = linear_solve.Banded(2, 2), linear_solve.Banded(20, 20)
+    many = sweep.LINEARIZE_MIN_STATES
+    assert sweep.chunk_size(with_solver("bdf", narrow), 1, many, 64) == 8
+    assert sweep.chunk_size(with_solver("bdf", narrow), 1, many, 4) == 4  # divides `every`
+    assert sweep.chunk_size(with_solver("bdf", narrow), 1, many - 1, 64) == 1
+    assert sweep.chunk_size(with_solver("bdf", narrow), 2, many, 64) == 1  # a vmap batch
+    assert sweep.chunk_size(resolve_method("odeint", "tsit5"), 1, many, 64) == 8
+    for name in ("bdf", "rodas5p", "kvaerno5", "radau5"):
+        assert sweep.chunk_size(with_solver(name, wide), 1, many, 64) == 1, name
+    # radau5's derivative solves its three stages coupled, in a band three times as wide.
+    assert sweep.chunk_size(with_solver("rodas5p", linear_solve.Banded(6, 6)), 1, many, 64) == 8
+    assert sweep.chunk_size(with_solver("radau5", linear_solve.Banded(6, 6)), 1, many, 64) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["bdf", "kvaerno5"])
 def test_wide_band_gradient_linearised_step_by_step(x64, monkeypatch, method):
     """A stage solver whose factorisation batches badly (a periodic 8 x 8 grid: no narrow
-    band after reordering) is linearised one step at a time by the adjoint sweep, a
-    narrow band eight at a time; both give the gradient of `w . y(T)`, `y(T) = expm(T
-    A(p)) y0` (SciPy's `expm_frechet`), and the same one."""
+    band after reordering) is linearised one step at a time by the adjoint sweep; the
+    gradient of `w . y(T)`, `y(T) = expm(T A(p)) y0`, matches SciPy's `expm_frechet`,
+    and the one with eight steps linearised at a time."""
     import scipy.linalg
 
     from solvers.ode.adjoints import sweep
@@ -413,11 +441,8 @@ def test_wide_band_gradient_linearised_step_by_step(x64, monkeypatch, method):
 
     pattern = linear_solve.sparsity_pattern(lambda y: f(y, 0.0, 1.0), jnp.asarray(y0))
     solver = linear_solve.Sparse(pattern, throw=False)
-    assert not solver.factors_in_batches
     stepper = dataclasses.replace(resolve_method("odeint", method), linear_solver=solver)
     assert sweep.chunk_size(stepper, 1, n, 64) == 1
-    narrow = dataclasses.replace(stepper, linear_solver=linear_solve.Banded(2, 2))
-    assert sweep.chunk_size(narrow, 1, n, 64) == 8
 
     def loss(p):
         ys = odeint(f, jnp.asarray(y0), jnp.array([0.0, t1]), p, method=method, rtol=1e-10,
