@@ -72,10 +72,11 @@ class LinearSolver(abc.ABC):
     def factors_in_batches(self) -> bool:
         """Whether `init` on a batch of operators at once (under `vmap`) costs less per
         operator on CPU than one `init` after another. True unless the solver says
-        otherwise (the blocked factorisation of a wide band does: its batched block
-        LUs and triangular solves run one matrix at a time, with the batch's overheads
-        on top). Code that may prepare several systems together (the checkpointed
-        adjoint of `odeint` linearises eight steps at once) asks this first."""
+        otherwise: the blocked factorisation of a wide band (`Banded`, `Sparse`) is
+        slower per matrix in a batch, its small LUs, row gathers and triangular solves
+        being done matrix by matrix with the batch's overheads on top. Code that may
+        prepare several systems together (the checkpointed adjoint of `odeint`
+        linearises eight steps at once) asks this first."""
         return True
 
     @abc.abstractmethod

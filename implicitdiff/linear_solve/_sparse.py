@@ -450,11 +450,6 @@ class Sparse(BandLU):
         i, j = p.position[p.rows], p.position[p.cols]
         return jnp.zeros((n, p.lower + p.upper + 1), dtype).at[i, j - i + p.lower].set(values)
 
-    @property
-    def factors_in_batches(self) -> bool:
-        # Small blocks are factored all at once either way.
-        return self.pattern.blocks is not None or super().factors_in_batches
-
     def _factor(self, storage: jax.Array):
         if self.pattern.blocks is not None:
             return block_lu(storage)

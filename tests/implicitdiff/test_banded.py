@@ -184,7 +184,8 @@ def test_factors_in_batches_follows_the_factorisation():
     line = np.arange(200)
     pairs = linear_solve.Sparse((np.r_[line, line[1:]], np.r_[line, line[:-1]]))
     assert pairs.pattern.lower == 1 and pairs.factors_in_batches
-    blocks = linear_solve.Sparse((line, line ^ 1))  # 100 independent pairs
+    # 100 independent pairs, factored as blocks (reordered, a band of 1 each side).
+    blocks = linear_solve.Sparse((line, line ^ 1))
     assert blocks.pattern.blocks is not None and blocks.factors_in_batches
     # A periodic 10 x 20 grid's 5-point stencil: no narrow band after reordering.
     grid = line.reshape(10, 20)

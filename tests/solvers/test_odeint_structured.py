@@ -6,6 +6,7 @@ same steps.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -384,15 +385,14 @@ def test_default_stage_solver_pattern_holds_at_every_time(x64):
     np.testing.assert_allclose(ys, yb, rtol=1e-12, atol=1e-14)
 
 
-def test_chunk_size_follows_the_stage_solver():
+def test_chunk_size_follows_the_stage_solver(monkeypatch):
     """The adjoint sweep linearises `LINEARIZE_CHUNK` steps at once for one solve of
     at least `LINEARIZE_MIN_STATES` states, unless (on CPU) the solver its step's
     derivative prepares factors a batch badly (`factors_in_batches`: a wide band)."""
     from solvers.ode.adjoints import sweep
     from solvers.ode.methods import resolve_method
 
-    if jax.default_backend() != "cpu":
-        pytest.skip("the rule is for CPU")
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
 
     def with_solver(name, solver):
         return dataclasses.replace(resolve_method("odeint", name), linear_solver=solver)
@@ -409,6 +409,9 @@ def test_chunk_size_follows_the_stage_solver():
     # radau5's derivative solves its three stages coupled, in a band three times as wide.
     assert sweep.chunk_size(with_solver("rodas5p", linear_solve.Banded(6, 6)), 1, many, 64) == 8
     assert sweep.chunk_size(with_solver("radau5", linear_solve.Banded(6, 6)), 1, many, 64) == 1
+    # Elsewhere the batch is kept whatever the solver.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert sweep.chunk_size(with_solver("bdf", wide), 1, many, 64) == 8
 
 
 @pytest.mark.slow
@@ -423,6 +426,7 @@ def test_wide_band_gradient_linearised_step_by_step(x64, monkeypatch, method):
     from solvers.ode.adjoints import sweep
     from solvers.ode.methods import resolve_method
 
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the rule is for CPU
     k = 8
     idx = np.arange(k * k).reshape(k, k)
     lap = -4 * np.eye(k * k)
@@ -450,10 +454,14 @@ def test_wide_band_gradient_linearised_step_by_step(x64, monkeypatch, method):
         return jnp.dot(jnp.asarray(w), ys[-1])
 
     p = 0.7
+    rule, chunks = sweep.chunk_size, []
+    monkeypatch.setattr(sweep, "chunk_size", lambda *a: chunks.append(rule(*a)) or chunks[-1])
     g = jax.grad(loss)(p)
-    monkeypatch.setattr(sweep, "chunk_size", lambda method, size, n, every: 8)
+    assert chunks == [1]  # the sweep asked, and linearised step by step
+    eight = lambda method, size, n, every: math.gcd(every, sweep.LINEARIZE_CHUNK)  # noqa: E731
+    monkeypatch.setattr(sweep, "chunk_size", eight)
     g_chunked = jax.grad(loss)(p)
-    np.testing.assert_allclose(g, g_chunked, rtol=1e-12)
+    np.testing.assert_allclose(g, g_chunked, rtol=0, atol=1e-12)
     A = p * L + R
     exact = w @ scipy.linalg.expm_frechet(t1 * A, t1 * L, compute_expm=False) @ y0
     # The gradient (-3.4e-3) cancels terms a hundred times larger: compare absolutely,

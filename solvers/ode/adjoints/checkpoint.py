@@ -46,7 +46,7 @@ class CheckpointAdjoint(AbstractAdjoint):
     record instead of iterating again. Outputs inside a step (`interpolate=True`) are
     linear in the step's stages, so their cotangents join that pull-back. Memory is
     `O(sqrt(max_steps))` states (`O(max_steps)` when every start is kept) and the
-    linearisations of eight steps (for a dense stage solver, eight `n x n`
+    linearisations of up to eight steps (for a dense stage solver, eight `n x n`
     factorisations). Under `vmap` the sweep runs once for
     the whole batch, with the cotangents of shared parameters summed inside each step;
     `jacrev` of one solve sends its cotangents through in groups whose copies of a

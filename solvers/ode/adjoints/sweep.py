@@ -18,9 +18,9 @@ solution) depend only on the recomputed states. So for one solve of at least
 one at a time, last first. The batch runs the chunk's factorisations and field
 evaluations together (a narrow band's LU of 512 unknowns costs about a seventh as much
 per matrix in a batch of 64 as alone); the price is a chunk's linearisations held at
-once and a last chunk that may run past its segment's steps. A stage solver whose
-factorisation does not batch well on CPU (`LinearSolver.factors_in_batches`: a wide
-band's blocked LU) is linearised one step at a time there. The replay knows each step's
+once and a last chunk that may run past its segment's steps. With a stage solver whose
+factorisation is no faster in a batch on CPU (`LinearSolver.factors_in_batches`: a
+wide band's blocked LU), the steps are linearised one at a time there. The replay knows each step's
 end (the next step's start, or the next checkpoint) and hands it to the method
 (`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
 iterating again.
@@ -199,21 +199,25 @@ _GROUPED_MAX = 4096
 # once. Measured on CPU (jit(grad), compile and run): a 128-state band system's
 # gradient runs 27% faster in chunks of eight and compiles 40% slower; at 32 states
 # (dense) and at 8 (HIRES, rodas5p: 25% faster, a third more compile time) the batch
-# gains little against the loop's own overheads. A wide band's blocked factorisation
-# batches badly (`LinearSolver.factors_in_batches`): on a 16 x 16 grid (512 states,
-# bandwidth 32 after reordering) eight of them at once take 10.6 ms, one alone 1.2 ms,
-# and the gradients run 25-45% faster unchunked.
+# gains little against the loop's own overheads.
 LINEARIZE_MIN_STATES = 100
 
 
 def chunk_size(method: Any, size: int, n: int, every: int) -> int:
-    """How many steps the sweep linearises at once: `LINEARIZE_CHUNK` (a divisor of
-    `every`) for one solve (`size` 1; a batch of solves already linearises its
-    elements together) of at least `LINEARIZE_MIN_STATES` states, unless its stage
-    solver factors a batch no faster than one matrix after another on CPU; else 1."""
+    """How many steps the sweep linearises at once: `gcd(every, LINEARIZE_CHUNK)` for
+    one solve (`size` 1; a batch of solves already linearises its elements together)
+    of at least `LINEARIZE_MIN_STATES` states, unless JAX's default backend is the CPU
+    and the method's `derivative_solver` factors a batch no faster than one matrix
+    after another (`LinearSolver.factors_in_batches`); else 1.
+
+    Measured on CPU: the blocked LU of the 16 x 16 grid's band (512 unknowns,
+    `lower = upper = 62` after reordering) takes 10.6 ms for eight matrices at once
+    and 1.0-1.2 ms for one, and that grid's gradients run 12-45% faster step by step
+    (kvaerno5, rodas5p, bdf)."""
+    if size != 1 or n < LINEARIZE_MIN_STATES:
+        return 1
     solver = method.derivative_solver
-    batches = solver is None or solver.factors_in_batches or jax.default_backend() != "cpu"
-    if size == 1 and n >= LINEARIZE_MIN_STATES and batches:
+    if solver is None or solver.factors_in_batches or jax.default_backend() != "cpu":
         return math.gcd(every, LINEARIZE_CHUNK)
     return 1
 

@@ -216,9 +216,10 @@ class AbstractMethod(abc.ABC):
 
     @property
     def derivative_solver(self) -> Any:
-        """The `LinearSolver` a step's derivative prepares (factors) at each step: an
-        implicit method's stage solver, for the systems its derivative solves; `None`
-        for an explicit method."""
+        """The `LinearSolver` whose factorisations a step's linearisation makes (an
+        implicit method's stage solver, in the form its derivative solves with), or
+        `None` for a method that factors nothing. The checkpointed adjoint asks it
+        whether to linearise several steps in one batch."""
         return None
 
     @property
