@@ -20,10 +20,10 @@ evaluations together (a narrow band's LU of 512 unknowns costs about a seventh a
 per matrix in a batch of 64 as alone); the price is a chunk's linearisations held at
 once and a last chunk that may run past its segment's steps. With a stage solver whose
 factorisation is no faster in a batch on CPU (`LinearSolver.factors_in_batches`: a
-wide band's blocked LU), the steps are linearised one at a time there. The replay knows each step's
-end (the next step's start, or the next checkpoint) and hands it to the method
-(`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
-iterating again.
+wide band's blocked LU), the steps are linearised one at a time there (`chunk_size`).
+The replay knows each step's end (the next step's start, or the next checkpoint) and
+hands it to the method (`AbstractMethod.replay_step`): BDF takes it as its corrector's
+solution instead of iterating again.
 
 The sweep is written for a batch: every array has a leading batch axis, and the loops
 run to the batch's largest step count with the steps past an element's own count
