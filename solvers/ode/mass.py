@@ -22,6 +22,7 @@ import numpy as np
 from implicitdiff import error_if
 
 from ..root import root
+from ._small import small_product
 
 __all__ = ["MassMatrix", "apply_mass", "consistent_state"]
 
@@ -90,7 +91,7 @@ class MassMatrix:
         m = jnp.asarray(self.matrix, v.dtype)
         if self.diagonal:
             return m.reshape((-1,) + (1,) * (v.ndim - 1)) * v
-        return m @ v
+        return small_product(m, v)
 
     def pseudo_solve(self, b: jax.Array) -> jax.Array:
         """`M^+ b` (the pseudo-inverse): `y'` from `M y' = b` on the differential

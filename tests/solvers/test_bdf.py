@@ -47,6 +47,22 @@ def test_rescaled_differences_are_those_of_the_new_spacing(x64, q, factor):
     np.testing.assert_allclose(got, _backward_differences(p, t, factor * h, q), atol=1e-12)
 
 
+def test_small_system_step_has_no_matrix_product(x64):
+    """A step's rescaling of the differences is written as sums of products: no matrix
+    product in a small system's solve or gradient for XLA to hand to a threaded
+    library (see `solvers.ode._small`)."""
+    prob = PROBLEMS["rober"]
+
+    def loss(p):
+        f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+        ys = odeint(f, jnp.asarray(prob["y0"]), jnp.array([0.0, 1.0]), p, method="bdf")
+        return jnp.sum(ys[-1])
+
+    p = jnp.asarray(prob["p"])
+    for fn in (loss, jax.grad(loss)):
+        assert "dot_general" not in jax.jit(fn).lower(p).as_text()
+
+
 def test_order_rises_on_a_smooth_problem(x64):
     """`y' = -y + cos t`: at order 5 a hundred times tighter tolerance costs about
     `100 ** (1/6)` times the steps (at order 1 it would be ten times); the error

@@ -397,3 +397,20 @@ def test_transistor_amplifier_gradient_against_central_differences(x64, method):
     fd = (tight(_UB + eps) - tight(_UB - eps)) / (2 * eps)
     np.testing.assert_allclose(grad, fd, rtol=1e-4)
     np.testing.assert_allclose(fwd, grad, rtol=1e-7)
+
+
+@pytest.mark.parametrize("n", [8, 40])
+def test_full_mass_matrix_products(x64, n):
+    """`M v` for a full `M`, on one vector and on columns side by side, matches NumPy;
+    up to `SMALL` unknowns it is written as sums of products, with no matrix product
+    for XLA to hand to a threaded library."""
+    from solvers.ode._small import SMALL
+
+    rng = np.random.default_rng(n)
+    m = rng.standard_normal((n, n))
+    mass = MassMatrix(m, n)
+    v, cols = rng.standard_normal(n), rng.standard_normal((n, 3))
+    np.testing.assert_allclose(mass(jnp.asarray(v)), m @ v, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(mass(jnp.asarray(cols)), m @ cols, rtol=1e-13, atol=1e-13)
+    hlo = jax.jit(mass).lower(jnp.asarray(v)).as_text()
+    assert ("dot_general" in hlo) == (n > SMALL)

@@ -43,6 +43,7 @@ from implicitdiff import custom_root, linear_solve
 from implicitdiff.internal import any_over_batch
 from implicitdiff.linear_solve import LinearSolver
 
+from .._small import small_product
 from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product, select
 from ._newton import simplified_newton
@@ -82,15 +83,7 @@ def _rescale_matrix(factor):
         m = m.at[1:, :].set(0).at[1:, 1:].set((i - 1 - f * j) / i)
         return jnp.cumprod(m, axis=0)
 
-    return _small_product(r(factor), r(jnp.ones_like(factor)))
-
-
-def _small_product(a, b):
-    """`a @ b` for a small `a` (`(6, 6)`), as a sum of products: an elementwise fusion.
-    A matrix product of this size goes to the CPU's multithreaded matrix library,
-    whose hand-off to its threads costs more than the product (in a step of a few
-    microseconds, and by up to 2.5x on a whole gradient, depending on the process)."""
-    return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+    return small_product(r(factor), r(jnp.ones_like(factor)))
 
 
 class BDFMemory(Memory):
@@ -255,7 +248,7 @@ class BDF(AbstractMethod):
         ru = jnp.where(inside, ru, jnp.eye(MAX_ORDER + 1, dtype=dt))
         same = factor == 1
         d_low = jnp.where(
-            same, carry.D[: MAX_ORDER + 1], _small_product(ru.T, carry.D[: MAX_ORDER + 1])
+            same, carry.D[: MAX_ORDER + 1], small_product(ru.T, carry.D[: MAX_ORDER + 1])
         )
         D = carry.D.at[: MAX_ORDER + 1].set(d_low)
         n_equal = jnp.where(same, n_equal, 0)
