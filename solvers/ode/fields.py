@@ -16,6 +16,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicitdiff import custom_jvp
 
+from ._small import small_product
 from .methods import combine_carry, partition_carry
 
 __all__ = ["FlatField", "TangentField", "AdjointField"]
@@ -78,7 +79,8 @@ class FlatField:
                 (dense(dt), tuple(dense(d) for d in dpd)),
             )
         if not zero(dy):
-            tangent = tangent + self.jacobian(y, t, pd, pn) @ dy.astype(self.dtype)
+            jac = self.jacobian(y, t, pd, pn)
+            tangent = tangent + small_product(jac, dy.astype(self.dtype))
         return out, tangent
 
 

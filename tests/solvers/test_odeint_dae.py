@@ -404,7 +404,7 @@ def test_full_mass_matrix_products(x64, n):
     """`M v` for a full `M`, on one vector and on columns side by side, matches NumPy;
     up to `SMALL` unknowns it is written as sums of products, with no matrix product
     for XLA to hand to a threaded library."""
-    from solvers.ode._small import SMALL
+    from solvers.ode._small import SMALL, small_product
 
     rng = np.random.default_rng(n)
     m = rng.standard_normal((n, n))
@@ -412,5 +412,8 @@ def test_full_mass_matrix_products(x64, n):
     v, cols = rng.standard_normal(n), rng.standard_normal((n, 3))
     np.testing.assert_allclose(mass(jnp.asarray(v)), m @ v, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(mass(jnp.asarray(cols)), m @ cols, rtol=1e-13, atol=1e-13)
-    hlo = jax.jit(mass).lower(jnp.asarray(v)).as_text()
-    assert ("dot_general" in hlo) == (n > SMALL)
+    for x in (v, cols):
+        hlo = jax.jit(mass).lower(jnp.asarray(x)).as_text()
+        assert ("dot_general" in hlo) == (n > SMALL)
+    with pytest.raises(ValueError, match="small_product"):
+        small_product(jnp.ones((2, 2)), jnp.ones((2, 2, 2)))
