@@ -99,12 +99,12 @@ def block_lu_solve(factors, b: jax.Array, blocks: np.ndarray, trans: int) -> jax
     size = lu.shape[-1]
     x = _gather(b, blocks)
     col = lambda v, i: v[:, i]  # noqa: E731
-    # The permutations as products with one-hot matrices, at full precision (a
-    # float32 product on an accelerator may otherwise round its operands).
-    exact = jax.lax.Precision.HIGHEST
+    # The permutations as sums of elementwise products with one-hot matrices: exact
+    # on every backend, and (unlike a matrix product) no hand-off to a threaded
+    # matrix library on CPU.
     if trans == 0:
         # L U x = P b: forward with the unit lower triangle, back with the upper.
-        v = jnp.einsum("kij,kj->ki", onehot, x, precision=exact)
+        v = jnp.sum(onehot * x[:, None, :], axis=2)
         ys: list[jax.Array] = []
         for i in range(size):
             ys.append(col(v, i) - sum((lu[:, i, j] * ys[j] for j in range(i)), 0.0))
@@ -122,7 +122,7 @@ def block_lu_solve(factors, b: jax.Array, blocks: np.ndarray, trans: int) -> jax
         ws: list[jax.Array] = [jnp.zeros(0)] * size
         for i in reversed(range(size)):
             ws[i] = zs[i] - sum((lu[:, j, i] * ws[j] for j in range(i + 1, size)), 0.0)
-        out = jnp.einsum("kji,kj->ki", onehot, jnp.stack(ws, axis=1), precision=exact)
+        out = jnp.sum(onehot * jnp.stack(ws, axis=1)[:, :, None], axis=1)
     return _scatter(out, blocks, b.size)
 
 
