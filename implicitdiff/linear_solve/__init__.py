@@ -88,7 +88,7 @@ from ._auto import AUTO_DENSE_MAX_SIZE, Auto, auto, auto_method
 from ._banded import Banded, BandedState
 from ._base import LinearSolver
 from ._checks import RESIDUAL_SLACK
-from ._dense import SMALL_DENSE, Dense, DenseState, InverseFactors, LUFactors, dense
+from ._dense import Dense, DenseState, dense
 from ._iterative import IterativeOptions, IterativeSolver
 from ._krylov import CG, GMRES, BiCGStab, NormalCG, bicgstab, cg, gmres, normal_cg
 from ._neumann import NEUMANN_DEFAULT_MAXITER, Neumann, neumann
@@ -101,9 +101,6 @@ __all__ = [
     "IterativeSolver",
     "Dense",
     "DenseState",
-    "LUFactors",
-    "InverseFactors",
-    "SMALL_DENSE",
     "Banded",
     "BandedState",
     "Sparse",

@@ -107,9 +107,7 @@ def after(values, state):
     factorisations as threads (two on a two-core machine) they wait for each other
     forever. The dependency is a product with zero of one entry of `state`, converted
     to an integer first so that a NaN there cannot spread; XLA does not fold a
-    floating-point product with zero away. The entry is taken from the last leaf of
-    `state`, which for a linear solver's state is the last factor computed (`Dense`
-    computes its two triangular inverses one after the other for this).
+    floating-point product with zero away.
     """
     leaves = [x for x in jax.tree_util.tree_leaves(state) if getattr(x, "size", 0)]
     if not leaves:
