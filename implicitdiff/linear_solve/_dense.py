@@ -16,6 +16,17 @@ from ._factored import Factored
 
 __all__ = ["Dense", "DenseState", "dense", "materialise"]
 
+#: Up to this many unknowns, `solve` substitutes through the LU factors with scalar
+#: operations that XLA fuses, instead of two LAPACK triangular solves: on CPU a LAPACK
+#: call's fixed cost outweighs such a solve, and the stiff ODE methods make several per
+#: step. Above it the substitution's unrolled code grows and loses to LAPACK.
+SUBSTITUTE_MAX = 8
+#: The same for solves with `A^T` (`transpose_solve`, and the reverse pass of `solve`),
+#: lower: inside a reverse pass XLA fuses the substitutions of successive solves
+#: together and recomputes their shared terms, so at eight unknowns they were slower
+#: than LAPACK.
+SUBSTITUTE_TRANSPOSE_MAX = 4
+
 
 class DenseState(NamedTuple):
     """The state of `Dense`: the operator, and the LU factors of its matrix
@@ -60,10 +71,12 @@ class Dense(Factored):
     to the columns of the identity, on the flattened unknowns
     (`jax.flatten_util.ravel_pytree`), and factors it; `solve` and `transpose_solve`
     are two triangular solves each, with the same factors, and so are their derivatives
-    (the factorisation itself is never differentiated). Cost: `n` matvecs, `O(n^2)`
-    memory and `O(n^3)` time to factor for `n` unknowns, `O(n^2)` per solve, so use it
-    for small systems (up to a few hundred or thousand unknowns). It is exact up to
-    rounding whatever the symmetry or conditioning.
+    (the factorisation itself is never differentiated). For a system so small that a
+    LAPACK call costs more than the solve (up to 8 unknowns, 4 for solves with `A^T`),
+    the two triangular solves are written out as scalar substitution. Cost: `n`
+    matvecs, `O(n^2)` memory and `O(n^3)` time to factor for `n` unknowns, `O(n^2)` per
+    solve, so use it for small systems (up to a few hundred or thousand unknowns). It is
+    exact up to rounding whatever the symmetry or conditioning.
 
     Arguments:
         symmetric: the operator is symmetric; then the one-shot call differentiates in
@@ -110,7 +123,47 @@ class Dense(Factored):
         return self._factor_solve(lu_and_pivots, 0, matvec, b)
 
     def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
+        lu, pivots = factors
+        n = lu.shape[-1]
+        if trans == 0 and 0 < n <= SUBSTITUTE_MAX:
+            return _substitute(lu, pivots, b)
+        if trans == 1 and 0 < n <= SUBSTITUTE_TRANSPOSE_MAX:
+            return _substitute_transposed(lu, pivots, b)
         return jsp_linalg.lu_solve(factors, b, trans=trans)
+
+
+def _permutation(pivots: jax.Array, n: int) -> jax.Array:
+    """The row order of `P A = L U` from LAPACK's pivots (row `i` swapped with row
+    `pivots[i]`, in turn)."""
+    return jax.lax.linalg.lu_pivots_to_permutation(pivots, n)
+
+
+def _substitute(lu: jax.Array, pivots: jax.Array, b: jax.Array) -> jax.Array:
+    """`A^{-1} b` from `P A = L U` (unit lower `L` and `U` packed in `lu`): permute `b`,
+    then forward and back substitution, unrolled into scalar operations."""
+    n = lu.shape[-1]
+    v = b[_permutation(pivots, n)]
+    y = []
+    for i in range(n):  # L y = P b
+        y.append(v[i] - sum((lu[i, j] * y[j] for j in range(i)), start=0.0))
+    x = [None] * n
+    for i in reversed(range(n)):  # U x = y
+        x[i] = (y[i] - sum((lu[i, j] * x[j] for j in range(i + 1, n)), start=0.0)) / lu[i, i]
+    return jnp.stack(x)
+
+
+def _substitute_transposed(lu: jax.Array, pivots: jax.Array, b: jax.Array) -> jax.Array:
+    """`A^{-T} b` from `P A = L U`: `A^T = U^T L^T P`, so forward substitution with
+    `U^T`, back substitution with `L^T`, then the rows put back in place."""
+    n = lu.shape[-1]
+    z = []
+    for i in range(n):  # U^T z = b
+        z.append((b[i] - sum((lu[j, i] * z[j] for j in range(i)), start=0.0)) / lu[i, i])
+    w = [None] * n
+    for i in reversed(range(n)):  # L^T w = z
+        w[i] = z[i] - sum((lu[j, i] * w[j] for j in range(i + 1, n)), start=0.0)
+    w = jnp.stack(w)
+    return jnp.zeros_like(w).at[_permutation(pivots, n)].set(w)  # x = P^T w
 
 
 def dense(matvec: MatVec, b: PyTree, *, symmetric: bool = False, throw: bool = True) -> Any:
