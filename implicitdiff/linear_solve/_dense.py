@@ -138,6 +138,7 @@ def _permutation(pivots: jax.Array, n: int) -> jax.Array:
     return jax.lax.linalg.lu_pivots_to_permutation(pivots, n)
 
 
+@jax.jit
 def _substitute(lu: jax.Array, pivots: jax.Array, b: jax.Array) -> jax.Array:
     """`A^{-1} b` from `P A = L U` (unit lower `L` and `U` packed in `lu`): permute `b`,
     then forward and back substitution, unrolled into scalar operations."""
@@ -152,6 +153,7 @@ def _substitute(lu: jax.Array, pivots: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.stack(x)
 
 
+@jax.jit
 def _substitute_transposed(lu: jax.Array, pivots: jax.Array, b: jax.Array) -> jax.Array:
     """`A^{-T} b` from `P A = L U`: `A^T = U^T L^T P`, so forward substitution with
     `U^T`, back substitution with `L^T`, then the rows put back in place."""
