@@ -272,11 +272,17 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     # needs no replay for the last segment (for a short solve, at all). A rejected
     # attempt writes the same state to the same slot.
     row = jnp.where(live, s.acc % every, every)
+    y_cp, k_cp = rec.y_cp, rec.k_cp
+    if not keeps_every_start(every, rec.t.shape[0]):
+        # The checkpoints. With every step's start kept, the sweep reads the first one
+        # alone (written by `initial_state`), so an attempt writes none.
+        y_cp = y_cp.at[cp].set(y1)
+        k_cp = jax.tree_util.tree_map(lambda b, x: b.at[cp].set(x), k_cp, k1)
     rec = RecordBuffers(
         t=rec.t.at[slot].set(s.t),
         h=rec.h.at[slot].set(h_step),
-        y_cp=rec.y_cp.at[cp].set(y1),
-        k_cp=jax.tree_util.tree_map(lambda b, x: b.at[cp].set(x), rec.k_cp, k1),
+        y_cp=y_cp,
+        k_cp=k_cp,
         y_last=rec.y_last.at[row].set(s.y),
         k_last=jax.tree_util.tree_map(lambda b, x: b.at[row].set(x), rec.k_last, s.k),
     )
