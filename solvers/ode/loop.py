@@ -274,8 +274,9 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     row = jnp.where(live, s.acc % every, every)
     y_cp, k_cp = rec.y_cp, rec.k_cp
     if not keeps_every_start(every, rec.t.shape[0]):
-        # The checkpoints. With every step's start kept, the sweep reads the first one
-        # alone (written by `initial_state`), so an attempt writes none.
+        # The checkpoints. With every step's start kept, the sweep uses the first one
+        # alone (written by `initial_state`; the last step's end, which it would read
+        # from the second, is recomputed), so an attempt writes none.
         y_cp = y_cp.at[cp].set(y1)
         k_cp = jax.tree_util.tree_map(lambda b, x: b.at[cp].set(x), k_cp, k1)
     rec = RecordBuffers(

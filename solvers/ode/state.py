@@ -51,7 +51,7 @@ class RecordBuffers(eqx.Module):
         t: each accepted step's start (`max_steps + 1` slots, the last a spare).
         h: each accepted step's size.
         y_cp: the state every `every` accepted steps, from step 0 (the last slot a
-            spare).
+            spare). When `y_last` keeps every step's start, only step 0's is written.
         k_cp: the method's carry at those states (a pytree, each leaf with a leading
             slot axis): a replay from a checkpoint starts from it, so it repeats the
             solve's steps exactly.
