@@ -158,8 +158,10 @@ def test_van_der_pol_derivative_converges_with_the_tolerance(x64, method):
         f = jax.jit(jax.jacfwd(loss))(p, y0)
         # Forward and reverse accumulation round differently, and d/d eps of VDPOL
         # amplifies rounding (its terms scale as 1/eps^2 = 1e12): the two modes agree
-        # to about 4e-7 here, against 1e-9 on the other problems.
-        np.testing.assert_allclose(f, g, rtol=2e-6)
+        # to 1e-8 - 3e-6 here, by how the compiled program rounds (XLA's optimisations
+        # on or off, the stage solves' arithmetic), against 1e-9 on the other problems
+        # and 3e-4 for the error against the reference at the tightest tolerance.
+        np.testing.assert_allclose(f, g, rtol=1e-5)
         errors.append(_rel(g, [ref]))
     assert errors[0] < 0.1 and errors[2] < 2e-3, errors
     assert errors[2] < errors[1] < errors[0], errors
