@@ -264,10 +264,7 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     is not due goes to a spare last slot. Also whether the record is now full."""
     slot = jnp.minimum(s.acc, cfg.record)
     acc = new.acc
-    spare = rec.y_cp.shape[0] - 1
     every = rec.y_last.shape[0] - 1  # (see `initial_state`)
-    store = accept & (acc % every == 0) & (acc // every < spare)
-    cp = jnp.where(store, acc // every, spare)
     # The start of the latest `every` steps, step k in slot k % every: the sweep then
     # needs no replay for the last segment (for a short solve, at all). A rejected
     # attempt writes the same state to the same slot.
@@ -277,6 +274,9 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
         # The checkpoints. With every step's start kept, the sweep uses the first one
         # alone (written by `initial_state`; the last step's end, which it would read
         # from the second, is recomputed), so an attempt writes none.
+        spare = y_cp.shape[0] - 1
+        store = accept & (acc % every == 0) & (acc // every < spare)
+        cp = jnp.where(store, acc // every, spare)
         y_cp = y_cp.at[cp].set(y1)
         k_cp = jax.tree_util.tree_map(lambda b, x: b.at[cp].set(x), k_cp, k1)
     rec = RecordBuffers(
