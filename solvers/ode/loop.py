@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from implicitdiff.internal import any_over_batch, vmap_size
 
 from . import controller, progress
+from .blocks import BlockRows, block_size
 from .info import DT_UNDERFLOW, EVENT, MAX_STEPS, NONFINITE, SUCCESS
 from .methods import AbstractMethod, StageTolerance, select
 from .state import RecordBuffers, StepState
@@ -44,6 +45,8 @@ __all__ = [
     "carrier",
     "checkpoint_every",
     "keeps_every_start",
+    "record_block",
+    "solve_batch",
     "stepper",
     "while_any",
 ]
@@ -114,6 +117,19 @@ def keeps_every_start(every: int, slots: int) -> bool:
     segment, nothing to replay. (With `every == max_steps`, such a step's start takes
     the first one's slot, and the first segment is replayed from its checkpoint.)"""
     return every > slots - 1
+
+
+def solve_batch(*trees) -> int:
+    """The largest `vmap` batch any leaf of `trees` is traced under (1 outside)."""
+    return max((vmap_size(x) for x in jax.tree_util.tree_leaves(trees)), default=1)
+
+
+def record_block(rec: RecordBuffers, batch: int) -> int:
+    """Steps per block when the recording loop writes `rec` by blocks (see
+    `solvers.ode.blocks`), else 0: only a record that keeps every step's start."""
+    if not keeps_every_start(rec.y_last.shape[0] - 1, rec.t.shape[0]):
+        return 0
+    return block_size((rec.t, rec.h, rec.y_last, rec.k_last), batch)
 
 
 def stepper(field, method: AbstractMethod):
@@ -262,8 +278,23 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     of a batched buffer makes XLA copy it every step): an accepted step goes to the
     next free slot (a rejected attempt's write there is overwritten later), and what
     is not due goes to a spare last slot. Also whether the record is now full."""
-    slot = jnp.minimum(s.acc, cfg.record)
     acc = new.acc
+    full = accept & (acc > cfg.record)
+    if rec.base is not None:
+        # One block of a record written by blocks (`BlockRows`, see `solvers.ode.blocks`):
+        # step k in row k - base (a rejected attempt's row is taken by the next accepted
+        # step). The block's loop stops when it is full.
+        i = s.acc - rec.base
+        put = lambda rows, x: rows.set(i, x)  # noqa: E731
+        rec = dataclasses.replace(
+            rec,
+            t=put(rec.t, s.t),
+            h=put(rec.h, h_step),
+            y_last=put(rec.y_last, s.y),
+            k_last=jax.tree_util.tree_map(put, rec.k_last, s.k, is_leaf=_is_rows),
+        )
+        return rec, full
+    slot = jnp.minimum(s.acc, cfg.record)
     every = rec.y_last.shape[0] - 1  # (see `initial_state`)
     # The start of the latest `every` steps, step k in slot k % every: the sweep then
     # needs no replay for the last segment (for a short solve, at all). A rejected
@@ -287,7 +318,11 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
         y_last=rec.y_last.at[row].set(s.y),
         k_last=jax.tree_util.tree_map(lambda b, x: b.at[row].set(x), rec.k_last, s.k),
     )
-    return rec, accept & (acc > cfg.record)
+    return rec, full
+
+
+def _is_rows(x):
+    return isinstance(x, BlockRows)
 
 
 def initial_state(
@@ -330,7 +365,7 @@ def initial_state(
         # Every step's start is kept when the record stays small, over the batch of an
         # enclosing `vmap` too (the buffers are per element).
         per_step = n + sum(math.prod(jnp.shape(x)) for x in jax.tree_util.tree_leaves(carry0))
-        batch = max(vmap_size(x) for x in jax.tree_util.tree_leaves((y0, ts, params)))
+        batch = solve_batch(y0, ts, params)
         every = checkpoint_every(cfg.record, per_step * batch, cfg.checkpoints)
         n_cp = cfg.record // every + 3  # the last one is a spare
         slots = lambda m: lambda x: jnp.zeros((m,) + jnp.shape(x), jnp.result_type(x))  # noqa: E731

@@ -4,7 +4,8 @@
   intervals, a `while_loop` of attempts in each): the plain solve;
 - the same in one flat loop over all steps, when the steps are recorded for the
   checkpointed adjoint (a loop nested in a scan would copy the record buffers at
-  every output time);
+  every output time); for one small solve, a loop over blocks of steps around a loop
+  over a block's steps, onto the next output time (`solvers.ode.blocks`);
 - one flat loop straight to `ts[-1]`, each output inside an accepted step evaluated
   from the step's interpolant (`interpolate=True`);
 - one flat loop with every accepted step an output row (dense output).
@@ -23,9 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from . import progress
+from .blocks import BlockRows, flatten
 from .info import MAX_STEPS, SUCCESS, ODEInfo
 from .interpolation import evaluate_step, step_coefficients
-from .loop import LoopConfig, attempt, initial_state, while_any
+from .loop import LoopConfig, attempt, initial_state, record_block, solve_batch, while_any
 from .state import Record, StepState
 
 __all__ = ["Integration", "integrate", "output_window"]
@@ -93,7 +95,11 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
     elif cfg.interpolate:
         state, rec, ys, out_step, out_theta = _interpolated(cfg, attempt_to, state, rec, y0, ts)
     elif cfg.record:
-        state, rec, ys, out_step = _recorded(attempt_to, state, rec, y0, ts)
+        block = record_block(rec, solve_batch(y0, ts, params))
+        if block:
+            state, rec, ys, out_step = _recorded_by_blocks(attempt_to, state, rec, y0, ts, block)
+        else:
+            state, rec, ys, out_step = _recorded(attempt_to, state, rec, y0, ts)
     else:
         state, ys, out_step = _by_interval(attempt_to, state, y0, ts)
     # f(y0, t0), the trial point of the first step size (adaptive methods), and each
@@ -175,6 +181,72 @@ def _recorded(attempt_to, state, rec, y0, ts):
     state, rec, _, ys, out_step = while_any(
         lambda c: (c[2] < n_out) & (c[0].status == SUCCESS), body, init
     )
+    return state, rec, ys[:n_out], out_step[:n_out]
+
+
+def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
+    """`_recorded` for one small solve, its record written by blocks of `block` steps
+    (see `solvers.ode.blocks`): an inner loop steps until its block is full or it
+    reaches the next output time, writing the block's own small buffers only; the
+    outer loop copies the block into the record and writes the outputs."""
+    n_out, n = ts.shape[0], y0.shape[0]
+    parts = lambda r: (r.t, r.h, r.y_last, r.k_last)  # noqa: E731
+    is_rows = lambda x: isinstance(x, BlockRows)  # noqa: E731
+    # Room for a whole block from any step up to the overflowing one (`max_steps + 1`),
+    # trimmed back afterwards; each row flattened while the loop writes the blocks.
+    pad = lambda b: jnp.concatenate([b, jnp.zeros((block,) + b.shape[1:], b.dtype)])  # noqa: E731
+    big = jax.tree_util.tree_map(lambda b: flatten(pad(b)), parts(rec))
+    empty = jax.tree_util.tree_map(lambda b: BlockRows.empty(b, block), parts(rec))
+
+    def blocks(c):
+        s, big, staged, base, i, ys, out_step = c
+        row = jnp.minimum(i, n_out - 1)
+        target = ts[row]
+
+        def more(c):
+            s, _ = c
+            return (s.t < target) & (s.status == SUCCESS) & (s.acc - base < block)
+
+        def one(c):
+            s, staged = c
+            t, h, y_last, k_last = staged
+            part = dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last, base=base)
+            new, part, _ = attempt_to(target, s, part)
+            return new, parts(part)
+
+        s, staged = jax.lax.while_loop(more, one, (s, staged))
+        hit = s.t >= target
+        s = dataclasses.replace(s, tries=jnp.where(hit, 0, s.tries))
+        # The block so far: the rows past its last step are stale, and overwritten as
+        # the block fills (the next outer iteration writes the block again).
+        big = jax.tree_util.tree_map(lambda r, b: r.write(b, base), staged, big, is_leaf=is_rows)
+        base = jnp.where(s.acc - base >= block, base + block, base)
+        row = jnp.where(hit, row, n_out)  # the spare last row
+        return (
+            s,
+            big,
+            staged,
+            base,
+            i + hit.astype(jnp.int32),
+            ys.at[row].set(s.y),
+            out_step.at[row].set(s.acc),
+        )
+
+    init = (
+        state,
+        big,
+        empty,
+        jnp.asarray(0, jnp.int32),
+        jnp.asarray(1, jnp.int32),
+        jnp.full((n_out + 1, n), jnp.nan, y0.dtype).at[0].set(y0),
+        jnp.zeros((n_out + 1,), jnp.int32),
+    )
+    state, big, _, _, _, ys, out_step = jax.lax.while_loop(
+        lambda c: (c[4] < n_out) & (c[0].status == SUCCESS), blocks, init
+    )
+    trim = lambda b, x: b[: x.shape[0]].reshape(x.shape)  # noqa: E731
+    t, h, y_last, k_last = jax.tree_util.tree_map(trim, big, parts(rec))
+    rec = dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last)
     return state, rec, ys[:n_out], out_step[:n_out]
 
 

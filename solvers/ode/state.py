@@ -57,6 +57,10 @@ class RecordBuffers(eqx.Module):
             solve's steps exactly.
         y_last: the starts of the latest `every` steps, step `k` in slot `k % every`.
         k_last: the carry at those starts.
+        base: `None`, or for one block of a record written by blocks (see
+            `solvers.ode.blocks`), the number of steps before the block: `t`, `h`,
+            `y_last` and (leaf by leaf) `k_last` are then `BlockRows` holding the
+            block's steps only, step k in row k - base.
     """
 
     t: Float[Array, ...]
@@ -65,6 +69,7 @@ class RecordBuffers(eqx.Module):
     k_cp: Any
     y_last: Float[Array, ...]
     k_last: Any
+    base: Int[Array, ...] | None = None
 
 
 class Record(eqx.Module):

@@ -2,6 +2,7 @@
 adjoint's replays, backward instability refused, the implicit step's own consistency."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +262,107 @@ def test_every_step_kept_when_the_record_is_small(x64):
         CheckpointAdjoint(checkpoints=0)
     with pytest.raises(TypeError, match=r"`checkpoints` must be a Python int"):
         CheckpointAdjoint(checkpoints=2.0)
+
+
+def test_blocks_of_rows_keep_each_buffer_under_the_sequential_limit(x64):
+    """`block_size`: `RECORD_BLOCK` steps per block for one solve whose record rows each
+    fit in `SEQUENTIAL_BYTES`, else 0 (no blocks). `BlockRows` holds a block's copies
+    of a buffer's rows, each row split into pieces whose buffers stay within the limit;
+    what it writes back and reads out is the rows themselves."""
+    from solvers.ode.blocks import RECORD_BLOCK, SEQUENTIAL_BYTES, BlockRows, block_size, flatten
+
+    def rows(*shapes):
+        return [jax.ShapeDtypeStruct((4097, *s), jnp.float64) for s in shapes]
+
+    assert (SEQUENTIAL_BYTES, RECORD_BLOCK) == (512, 16)
+    assert block_size(rows((), (3,), (8, 3), (3, 3)), 1) == 16  # ROBER, BDF's carry
+    assert block_size(rows((), (64,)), 1) == 16  # 512 bytes a row
+    assert block_size(rows((), (65,)), 1) == 0
+    assert block_size(rows((), (3,)), 2) == 0  # a vmap batch
+
+    rng = np.random.default_rng(0)
+    for shape, dtype in [((8, 3), jnp.float64), ((), jnp.float64), ((5,), jnp.int32),
+                         ((0,), jnp.float64), ((64,), jnp.float64)]:  # fmt: skip
+        buffer = jnp.asarray(rng.integers(0, 100, (40, *shape)), dtype)
+        idx = jnp.arange(16) + 7
+        block = BlockRows.rows(buffer, idx)
+        assert all(p.shape[0] == 16 and p.nbytes <= SEQUENTIAL_BYTES for p in block.pieces)
+        assert sum(p.shape[1] for p in block.pieces) == math.prod(shape)
+        for i in (0, 5, 15):
+            np.testing.assert_array_equal(block.get(i), buffer[7 + i])
+        new = jnp.asarray(rng.integers(0, 100, shape), dtype)
+        changed = block.set(3, new)
+        np.testing.assert_array_equal(changed.get(3), new)
+        np.testing.assert_array_equal(changed.get(4), buffer[11])
+        # Written back at row 20: rows 20..35 are the block's, the others unchanged.
+        out = changed.write(flatten(buffer), jnp.asarray(20, jnp.int32)).reshape(buffer.shape)
+        expected = buffer.at[20:36].set(buffer[7:23]).at[23].set(new)
+        np.testing.assert_array_equal(out, expected)
+        empty = BlockRows.empty(buffer, 16)
+        np.testing.assert_array_equal(empty.get(9), jnp.zeros(shape, dtype))
+
+
+@pytest.mark.parametrize("method", ["rodas5p", "kvaerno5", "bdf"])
+def test_record_by_blocks_gives_the_gradient_of_the_whole_record(x64, method):
+    """One small solve writes its record by blocks of a few steps and its sweep reads it
+    back the same way (`solvers.ode.blocks`: a loop over steps then touches no buffer
+    larger than `SEQUENTIAL_BYTES`, which XLA's CPU runtime runs without its task
+    scheduler). A record with checkpoints (replayed segments) and a `vmap` batch are
+    written and read whole. All give the same gradient, over tolerances that put the
+    outputs and the last step at different places in a block, with rejected steps, and
+    when the last step overflows the record."""
+    from solvers.ode.blocks import block_size
+
+    prob = PROBLEMS["rober"]
+    p, y0 = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+    ts = jnp.concatenate([jnp.zeros(1), jnp.logspace(-5, 3, 9)])
+    w = jnp.array([1.0, 1e4, 0.0])
+
+    def loss(p, rtol, max_steps, checkpoints=None):
+        adjoint = CheckpointAdjoint(max_steps, checkpoints=checkpoints)
+        ys, _ = odeint(
+            f, y0, ts, p, method=method, rtol=rtol, atol=rtol * 1e-4, mxstep=1e6,
+            adjoint=adjoint, throw=False, return_info=True,
+        )  # fmt: skip
+        return jnp.sum(ys[1:] @ w)
+
+    carry = {"bdf": [(8, 3), (3, 3)]}.get(method, [(3,)])
+    block = block_size([jax.ShapeDtypeStruct((9, *s), jnp.float64) for s in [(3,), *carry]], 1)
+    assert block == 16
+    grad = jax.jit(jax.grad(loss), static_argnums=(1, 2, 3))
+    # (`vmap` of the unjitted gradient: under `vmap` of a `jit`, the solve is traced
+    # unbatched and its program batched afterwards.)
+    batched = jax.jit(jax.vmap(jax.grad(loss), (0, None, None)), static_argnums=(1, 2))
+    # The blocks' buffers appear in one solve's gradient only.
+    staged = f"tensor<{block}x3xf64>"
+    assert staged in grad.lower(p, 1e-6, 4096).as_text()
+    assert staged not in grad.lower(p, 1e-6, 4096, 512).as_text()
+    batch = jnp.stack([p, p, p])
+    assert staged not in batched.lower(batch, 1e-6, 4096).as_text()
+
+    def steps(rtol):
+        ys, info = odeint(
+            f, y0, ts, p, method=method, rtol=rtol, atol=rtol * 1e-4, mxstep=1e6,
+            return_info=True,
+        )  # fmt: skip
+        assert int(info.rejected) > 0
+        return int(info.steps)
+
+    ends = set()
+    for rtol in (1e-4, 3e-5, 1e-5):
+        n = steps(rtol)
+        ends.add(n % block)
+        for max_steps in (4096, n - 1) if rtol == 1e-4 else (4096,):
+            one = grad(p, rtol, max_steps)
+            replayed = grad(p, rtol, max_steps, 4)
+            three = batched(batch, rtol, max_steps)
+            assert np.all(np.isfinite(one))
+            np.testing.assert_allclose(one, replayed, rtol=1e-12, atol=1e-22)
+            # (The batch's linear algebra rounds differently: BDF's gradient at 3e-5
+            # differs by 3e-10, as it did before the blocks.)
+            np.testing.assert_allclose(three, np.stack([one] * 3), rtol=1e-8, atol=1e-22)
+    assert len(ends) >= 2  # the last step at different places in its block
 
 
 def test_jacrev_over_many_outputs_groups_its_cotangents(x64):

@@ -25,6 +25,10 @@ The replay knows each step's end (the next step's start, or the next checkpoint)
 hands it to the method (`AbstractMethod.replay_step`): BDF takes it as its corrector's
 solution instead of iterating again.
 
+A small solve that kept every step's start reads its record a block of steps at a
+time (`solvers.ode.blocks`): the loop over a block's steps then touches small copies
+only, which XLA's CPU runtime runs without its task scheduler.
+
 The sweep is written for a batch: every array has a leading batch axis, and the loops
 run to the batch's largest step count with the steps past an element's own count
 masked. One solve is a batch of one (`CheckpointSweep`); `vmap` of it is one batched
@@ -47,6 +51,7 @@ import jax.numpy as jnp
 from implicitdiff import Primitive
 from implicitdiff.internal import any_over_batch, max_over_batch
 
+from ..blocks import BlockRows, block_size
 from ..interpolation import (
     BASIS_K_NEXT,
     BASIS_STAGES,
@@ -222,6 +227,10 @@ def chunk_size(method: Any, size: int, n: int, every: int) -> int:
     return 1
 
 
+def _is_rows(x) -> bool:
+    return isinstance(x, BlockRows)
+
+
 def _axes_like(tree: Any, axis: int | None) -> Any:
     return jax.tree_util.tree_map(lambda _: axis, tree)
 
@@ -273,6 +282,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     pd_axes, pn_axes = p_axes
     step = stepper(f, method)
     chunk = chunk_size(method, size, n, every)
+    block = 0
+    if chunk == 1 and keeps_every_start(every, cap):
+        first = jax.tree_util.tree_map(lambda b: b[0], (rec_t, rec_h, y_last, k_last))
+        block = block_size(first, size)
 
     def one_step(y, k1, t, h, pd, pn, *end):
         # One element's step from `y` with carry `k1`, with what its interpolant is
@@ -310,10 +323,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     else:
         grouped = None
 
-    def output_cotangents(k, active, ptr):
-        """The cotangents of the outputs inside step `k`, on the interpolant's basis
-        (`(batch, 3 + stages, n)`), and `ptr` moved past them."""
-        h = step_at(k)[1]
+    def output_cotangents(k, h, active, ptr):
+        """The cotangents of the outputs inside step `k` (of size `h`), on the
+        interpolant's basis (`(batch, 3 + stages, n)`), and `ptr` moved past them."""
         if grouped is not None:
             rows = jnp.maximum(ptr, 0)[:, None]
             here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
@@ -344,14 +356,12 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         ptr, basis_ct = jax.lax.while_loop(due, gather, (ptr, basis))
         return basis_ct, ptr
 
-    def linearize_step(k, y, k1, end, stand_in):
-        """Step `k` (per element) from `y` with carry `k1`, its end `end = (y1, known)`
-        (see `replay_step`), linearised: its pull-back, a pytree of the
-        linearisation's values (see `jax.vjp`). Where `stand_in` (a masked element, see
-        `linearize_chunk`), a recorded size of 0 (a solve that took no step) is
+    def linearize_step(t, h, y, k1, end, stand_in):
+        """The step from `(t, y)` of size `h` (per element) with carry `k1`, its end
+        `end = (y1, known)` (see `replay_step`), linearised: its pull-back, a pytree of
+        the linearisation's values (see `jax.vjp`). Where `stand_in` (a masked element,
+        see `linearize_chunk`), a recorded size of 0 (a solve that took no step) is
         replaced by a tiny one, whose stage matrix is about the identity over it."""
-        k = jnp.minimum(k, cap - 1)[:, None]
-        t, h = jnp.take_along_axis(rec_t, k, 1)[:, 0], jnp.take_along_axis(rec_h, k, 1)[:, 0]
         tiny = jnp.sqrt(jnp.finfo(h.dtype).eps) * jnp.maximum(jnp.abs(t), 1)
         h = jnp.where(stand_in & (h == 0), tiny, h)
         y1, known = end
@@ -365,8 +375,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
         return jax.vjp(step_values, y, values, pd)[1]
 
-    def pull_back_step(k, pullback, active, a, k1_bar, ptr):
-        """Step `k` pulled back through its linearisation `pullback`: the cotangents of
+    def pull_back_step(k, h, pullback, active, a, k1_bar, ptr):
+        """Step `k` (of size `h`) pulled back through its linearisation `pullback`: the
+        cotangents of
         its start `y` and of `k1` from `a` and `k1_bar` (those of its end and of `f`
         there) and the outputs inside the step; the step's cotangent of `pd`; `ptr`
         moved past those outputs."""
@@ -375,7 +386,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # to `pd_bar`; its own cotangents are restored by the caller.
         a = masked(active, a)
         if loop.interpolate:
-            basis_ct, ptr = output_cotangents(k, active, ptr)
+            basis_ct, ptr = output_cotangents(k, h, active, ptr)
             # (The outputs' cotangents are zero for a masked element.)
             ct_y1 = a + basis_ct[:, BASIS_Y1]
             ct_slope = basis_ct[:, BASIS_K_NEXT]
@@ -475,8 +486,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 k1 = jax.tree_util.tree_map(at, k1s, k_last, k_cp)
                 y1 = at(ends, y_last, y_cp)
                 known = here & ((row + 1 < m) | ~kept)
-                k = jnp.where(here, k0 + row, last)
-                pullback = linearize_step(k, y, k1, (y1, known), ~active)
+                k = jnp.minimum(jnp.where(here, k0 + row, last), cap - 1)[:, None]
+                t = jnp.take_along_axis(rec_t, k, 1)[:, 0]
+                h = jnp.take_along_axis(rec_h, k, 1)[:, 0]
+                pullback = linearize_step(t, h, y, k1, (y1, known), ~active)
                 leaves, treedef = jax.tree_util.tree_flatten(pullback)
                 # Only JAX arrays cross the `vmap`; anything else in the pull-back (a
                 # marker object, a NumPy constant) is the same for every step and is
@@ -503,14 +516,42 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
             def back(jj, c):
                 r = chunk - 1 - jj
-                return back_step(j0 + r, pullback_at(r), c)
+                return back_step(j0 + r, step_at(k0 + j0 + r)[1], pullback_at(r), c)
 
             return jax.lax.fori_loop(0, chunk, back, c)
 
-        def back_step(j, pullback, c):
+        def back_block(i, c):
+            # Blocks of `block` steps last first (see `solvers.ode.blocks`): the block's
+            # rows are copied out of the record here, so that the loop over its steps
+            # touches small buffers only. One solve (`size` 1) that kept every step's
+            # start, with `chunk` 1.
+            j0 = (n_blocks - 1 - i) * block
+            idx = jnp.minimum(j0 + jnp.arange(block), every - 1)
+            starts = BlockRows.rows(ys[0], idx)
+            ends = BlockRows.rows(ys[0], jnp.minimum(idx + 1, every - 1))
+            k1_rows = jax.tree_util.tree_map(lambda b: BlockRows.rows(b[0], idx), k1s)
+            cols = jnp.minimum(k0 + j0 + jnp.arange(block), cap - 1)
+            t_rows, h_rows = rec_t[:, cols], rec_h[:, cols]
+
+            def back(jj, c):
+                r = block - 1 - jj
+                active = j0 + r < m
+                # A step past the solve's last is linearised at that last step (in this
+                # block: the first block the sweep takes) and pulls back zeros.
+                rr = jnp.where(active, r, m - 1 - j0)[0]
+                get = lambda rows: rows.get(rr)[None]  # noqa: E731
+                k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=_is_rows)
+                end = (get(ends), j0 + rr + 1 < m)
+                t, h = t_rows[:, rr], h_rows[:, rr]
+                pullback = linearize_step(t, h, get(starts), k1, end, ~active)
+                return back_step(j0 + r, h_rows[:, r], pullback, c)
+
+            return jax.lax.fori_loop(0, block, back, c)
+
+        def back_step(j, h, pullback, c):
             a, k1_bar, pd_bar, ptr = c
             active = j < m
-            da, dk1, dp, ptr = pull_back_step(k0 + j, pullback, active, a, k1_bar, ptr)
+            da, dk1, dp, ptr = pull_back_step(k0 + j, h, pullback, active, a, k1_bar, ptr)
             a = jnp.where(active[:, None], da, a)
             k1_bar = select(active, dk1, k1_bar)
             # A shared leaf's cotangent is already summed over the batch (the masked
@@ -523,6 +564,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             )  # fmt: skip
             return a, k1_bar, pd_bar, ptr
 
+        if block:
+            n_blocks = (m_max + block - 1) // block
+            return jax.lax.fori_loop(0, n_blocks, back_block, (a, k1_bar, pd_bar, ptr))
         n_chunks = (m_max + chunk - 1) // chunk
         return jax.lax.fori_loop(0, n_chunks, back_chunk, (a, k1_bar, pd_bar, ptr))
 
