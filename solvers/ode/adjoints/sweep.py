@@ -375,7 +375,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
         return jax.vjp(step_values, y, values, pd)[1]
 
-    def pull_back_step(k, h, pullback, active, a, k1_bar, ptr):
+    def pull_back_step(k, h, pullback, active, a, k1_bar, ptr, outputs_at=None):
         """Step `k` (of size `h`) pulled back through its linearisation `pullback`: the
         cotangents of
         its start `y` and of `k1` from `a` and `k1_bar` (those of its end and of `f`
@@ -393,11 +393,15 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             ct_ks = [basis_ct[:, BASIS_STAGES + r] for r in range(method.stages)]
             y_direct = basis_ct[:, BASIS_Y]
         else:
-            # Every output is a step end: at most one lands on this step.
-            rows = jnp.maximum(ptr, 0)[:, None]
-            here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
+            # Every output is a step end: at most one lands on this step. (`outputs_at`:
+            # the step count and cotangent of output `ptr` from a block's copies.)
+            if outputs_at is None:
+                rows = jnp.maximum(ptr, 0)[:, None]
+                here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
+                g_hit = jnp.take_along_axis(g, rows[:, :, None], 1)[:, 0]
+            else:
+                here, g_hit = outputs_at(ptr)
             hit = active & (ptr >= 1) & (here == k + 1)
-            g_hit = jnp.take_along_axis(g, rows[:, :, None], 1)[:, 0]
             ct_y1, ct_slope = a + masked(hit, g_hit), zeros
             ct_ks, y_direct = [zeros] * method.stages, zeros
             ptr = ptr - hit.astype(ptr.dtype)
@@ -532,26 +536,34 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             k1_rows = jax.tree_util.tree_map(lambda b: BlockRows.rows(b[0], idx), k1s)
             cols = jnp.minimum(k0 + j0 + jnp.arange(block), cap - 1)
             t_rows, h_rows = rec_t[:, cols], rec_h[:, cols]
+            # The outputs the block's steps may reach: the next `block` below `ptr`.
+            ptr0 = c[3][0]
+            out_rows = jnp.clip(ptr0 - jnp.arange(block), 0, n_out - 1)
+            out_steps, out_g = out_step[:, out_rows], BlockRows.rows(g[0], out_rows)
+
+            def outputs_at(ptr):
+                i = jnp.clip(ptr0 - ptr[0], 0, block - 1)
+                return out_steps[:, i], out_g.get(i)[None]
 
             def back(jj, c):
-                r = block - 1 - jj
-                active = j0 + r < m
-                # A step past the solve's last is linearised at that last step (in this
-                # block: the first block the sweep takes) and pulls back zeros.
-                rr = jnp.where(active, r, m - 1 - j0)[0]
-                get = lambda rows: rows.get(rr)[None]  # noqa: E731
+                r = count - 1 - jj
+                get = lambda rows: rows.get(r)[None]  # noqa: E731
                 k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=_is_rows)
-                end = (get(ends), j0 + rr + 1 < m)
-                t, h = t_rows[:, rr], h_rows[:, rr]
-                pullback = linearize_step(t, h, get(starts), k1, end, ~active)
-                return back_step(j0 + r, h_rows[:, r], pullback, c)
+                end = (get(ends), j0 + r + 1 < m)
+                t, h = t_rows[:, r], h_rows[:, r]
+                pullback = linearize_step(t, h, get(starts), k1, end, jnp.zeros(size, bool))
+                return back_step(j0 + r, h, pullback, c, outputs_at)
 
-            return jax.lax.fori_loop(0, block, back, c)
+            # Only the block's steps: the last block may hold fewer than `block`.
+            count = jnp.minimum(m_max - j0, block)
+            return jax.lax.fori_loop(0, count, back, c)
 
-        def back_step(j, h, pullback, c):
+        def back_step(j, h, pullback, c, outputs_at=None):
             a, k1_bar, pd_bar, ptr = c
             active = j < m
-            da, dk1, dp, ptr = pull_back_step(k0 + j, h, pullback, active, a, k1_bar, ptr)
+            da, dk1, dp, ptr = pull_back_step(
+                k0 + j, h, pullback, active, a, k1_bar, ptr, outputs_at
+            )
             a = jnp.where(active[:, None], da, a)
             k1_bar = select(active, dk1, k1_bar)
             # A shared leaf's cotangent is already summed over the batch (the masked
