@@ -1,20 +1,20 @@
 """A small solve's record, written and read a block of steps at a time.
 
-XLA's CPU runtime (its thunk executor, in the jaxlib this library pins) runs the
-operations of a loop body one after another in the calling
-thread only while every buffer the body touches holds at most `SEQUENTIAL_BYTES` (or
-while the body has at most eight operations). A body that touches a larger buffer goes
-through the runtime's task scheduler, which costs a small system's step about 1 us and
-more, and varies from run to run. The checkpointed adjoint's record of a small system
-keeps every step's start in buffers of `max_steps` rows, so a loop that wrote or read
-them at each step would pay that price at every step, forward and backward.
+XLA's CPU runtime (the thunk executor of the jaxlib this library pins) runs the
+operations of a loop body one after another in the calling thread only while every
+buffer the body touches holds at most `SEQUENTIAL_BYTES` (or while the body has at most
+eight operations). A body that touches a larger buffer has its operations scheduled as
+tasks, which costs a small system's step about 1 us and more, and varies widely from
+run to run. The checkpointed adjoint's record of a small system keeps every step's
+start in buffers of `max_steps` rows, so a loop that wrote or read them at each step
+would pay that price at every step, forward and backward.
 
 So one solve writes its record by blocks of `RECORD_BLOCK` steps: an inner loop over a
 block's steps writes copies of the block's rows (`BlockRows`, each row split into
-pieces of at most `SEQUENTIAL_BYTES / RECORD_BLOCK` bytes, so each piece's buffer stays
-under the limit), and an outer loop copies each block into the record. The sweep reads
-it back the same way. Measured on ROBER (rodas5p, 96 steps) the forward pass with its
-record took 0.21 ms against 0.31 ms, and the gradient 0.67-0.73 ms against 1.07-1.87 ms.
+pieces of at most `SEQUENTIAL_BYTES / RECORD_BLOCK` bytes, so that each piece's buffer
+stays under the limit), and an outer loop writes each block into the record. The sweep
+reads it back the same way (`adjoints.sweep`). A record's rows past the solve's last
+step hold no particular values.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RECORD_BLOCK", "SEQUENTIAL_BYTES", "BlockRows", "block_size", "flatten"]
+__all__ = ["RECORD_BLOCK", "SEQUENTIAL_BYTES", "BlockRows", "block_size", "flatten", "is_rows"]
 
 #: The largest buffer (in bytes) a loop body may touch for XLA's CPU runtime to run the
 #: body's operations one after another in the calling thread.
@@ -112,3 +112,8 @@ class BlockRows(eqx.Module):
 def flatten(buffer):
     """`buffer` with each row flattened: `(rows, size)`."""
     return buffer.reshape(buffer.shape[0], -1)
+
+
+def is_rows(x) -> bool:
+    """Whether `x` is a `BlockRows` (a leaf for `tree_map` over a block's buffers)."""
+    return isinstance(x, BlockRows)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from implicitdiff.internal import any_over_batch, vmap_size
 
 from . import controller, progress
-from .blocks import BlockRows, block_size
+from .blocks import block_size, is_rows
 from .info import DT_UNDERFLOW, EVENT, MAX_STEPS, NONFINITE, SUCCESS
 from .methods import AbstractMethod, StageTolerance, select
 from .state import RecordBuffers, StepState
@@ -124,12 +124,15 @@ def solve_batch(*trees) -> int:
     return max((vmap_size(x) for x in jax.tree_util.tree_leaves(trees)), default=1)
 
 
-def record_block(rec: RecordBuffers, batch: int) -> int:
-    """Steps per block when the recording loop writes `rec` by blocks (see
-    `solvers.ode.blocks`), else 0: only a record that keeps every step's start."""
-    if not keeps_every_start(rec.y_last.shape[0] - 1, rec.t.shape[0]):
+def record_block(every: int, slots: int, rows: Any, batch: int) -> int:
+    """Steps per block when a record is written and read by blocks (see
+    `solvers.ode.blocks`), else 0: a record of `slots` step times with a checkpoint
+    every `every` steps that keeps every step's start (`keeps_every_start`), whose
+    buffers (the leaves of `rows`, steps first) have rows small enough (`block_size`),
+    of one solve (`batch` 1)."""
+    if not keeps_every_start(every, slots):
         return 0
-    return block_size((rec.t, rec.h, rec.y_last, rec.k_last), batch)
+    return block_size(rows, batch)
 
 
 def stepper(field, method: AbstractMethod):
@@ -283,7 +286,8 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     if rec.base is not None:
         # One block of a record written by blocks (`BlockRows`, see `solvers.ode.blocks`):
         # step k in row k - base (a rejected attempt's row is taken by the next accepted
-        # step). The block's loop stops when it is full.
+        # step). No spare row: the block's loop (`outputs._recorded_by_blocks`) runs
+        # only while the solve is live and the block is not full.
         i = s.acc - rec.base
         put = lambda rows, x: rows.set(i, x)  # noqa: E731
         rec = dataclasses.replace(
@@ -291,7 +295,7 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
             t=put(rec.t, s.t),
             h=put(rec.h, h_step),
             y_last=put(rec.y_last, s.y),
-            k_last=jax.tree_util.tree_map(put, rec.k_last, s.k, is_leaf=_is_rows),
+            k_last=jax.tree_util.tree_map(put, rec.k_last, s.k, is_leaf=is_rows),
         )
         return rec, full
     slot = jnp.minimum(s.acc, cfg.record)
@@ -319,10 +323,6 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
         k_last=jax.tree_util.tree_map(lambda b, x: b.at[row].set(x), rec.k_last, s.k),
     )
     return rec, full
-
-
-def _is_rows(x):
-    return isinstance(x, BlockRows)
 
 
 def initial_state(

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from . import progress
-from .blocks import BlockRows, flatten
+from .blocks import BlockRows, flatten, is_rows
 from .info import MAX_STEPS, SUCCESS, ODEInfo
 from .interpolation import evaluate_step, step_coefficients
 from .loop import LoopConfig, attempt, initial_state, record_block, solve_batch, while_any
@@ -95,7 +95,9 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
     elif cfg.interpolate:
         state, rec, ys, out_step, out_theta = _interpolated(cfg, attempt_to, state, rec, y0, ts)
     elif cfg.record:
-        block = record_block(rec, solve_batch(y0, ts, params))
+        rows = (rec.t, rec.h, rec.y_last, rec.k_last)
+        every = rec.y_last.shape[0] - 1  # (its last row is a spare)
+        block = record_block(every, rec.t.shape[0], rows, solve_batch(y0, ts, params))
         if block:
             state, rec, ys, out_step = _recorded_by_blocks(attempt_to, state, rec, y0, ts, block)
         else:
@@ -191,7 +193,6 @@ def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
     outer loop copies the block into the record and writes the outputs."""
     n_out, n = ts.shape[0], y0.shape[0]
     parts = lambda r: (r.t, r.h, r.y_last, r.k_last)  # noqa: E731
-    is_rows = lambda x: isinstance(x, BlockRows)  # noqa: E731
     # Room for a whole block from any step up to the overflowing one (`max_steps + 1`),
     # trimmed back afterwards; each row flattened while the loop writes the blocks.
     pad = lambda b: jnp.concatenate([b, jnp.zeros((block,) + b.shape[1:], b.dtype)])  # noqa: E731

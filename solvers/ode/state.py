@@ -45,7 +45,8 @@ class StepState(eqx.Module):
 
 
 class RecordBuffers(eqx.Module):
-    """What a recording loop writes as it goes (for the checkpointed adjoint).
+    """What a recording loop writes as it goes (for the checkpointed adjoint). (With
+    `base` set, the buffers are one block's `BlockRows` instead of arrays.)
 
     Attributes:
         t: each accepted step's start (`max_steps + 1` slots, the last a spare).

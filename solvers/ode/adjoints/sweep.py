@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from implicitdiff import Primitive
 from implicitdiff.internal import any_over_batch, max_over_batch
 
-from ..blocks import BlockRows, block_size
+from ..blocks import BlockRows, is_rows
 from ..interpolation import (
     BASIS_K_NEXT,
     BASIS_STAGES,
@@ -61,7 +61,14 @@ from ..interpolation import (
     output_moments,
     pull_back_outputs,
 )
-from ..loop import KEEP_ALL_MAX, LINEARIZE_CHUNK, LoopConfig, keeps_every_start, stepper
+from ..loop import (
+    KEEP_ALL_MAX,
+    LINEARIZE_CHUNK,
+    LoopConfig,
+    keeps_every_start,
+    record_block,
+    stepper,
+)
 from ..methods import combine_carry, partition_carry, select
 from ..outputs import output_window
 
@@ -227,10 +234,6 @@ def chunk_size(method: Any, size: int, n: int, every: int) -> int:
     return 1
 
 
-def _is_rows(x) -> bool:
-    return isinstance(x, BlockRows)
-
-
 def _axes_like(tree: Any, axis: int | None) -> Any:
     return jax.tree_util.tree_map(lambda _: axis, tree)
 
@@ -283,9 +286,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     step = stepper(f, method)
     chunk = chunk_size(method, size, n, every)
     block = 0
-    if chunk == 1 and keeps_every_start(every, cap):
-        first = jax.tree_util.tree_map(lambda b: b[0], (rec_t, rec_h, y_last, k_last))
-        block = block_size(first, size)
+    if chunk == 1:
+        rows0 = jax.tree_util.tree_map(lambda b: b[0], (rec_t, rec_h, y_last, k_last))
+        block = record_block(every, cap, rows0, size)
 
     def one_step(y, k1, t, h, pd, pn, *end):
         # One element's step from `y` with carry `k1`, with what its interpolant is
@@ -377,10 +380,11 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
     def pull_back_step(k, h, pullback, active, a, k1_bar, ptr, outputs_at=None):
         """Step `k` (of size `h`) pulled back through its linearisation `pullback`: the
-        cotangents of
-        its start `y` and of `k1` from `a` and `k1_bar` (those of its end and of `f`
-        there) and the outputs inside the step; the step's cotangent of `pd`; `ptr`
-        moved past those outputs."""
+        cotangents of its start `y` and of `k1` from `a` and `k1_bar` (those of its end
+        and of `f` there) and the outputs inside the step; the step's cotangent of `pd`;
+        `ptr` moved past those outputs. `outputs_at(ptr)`, if given, returns the step
+        count and cotangent of output `ptr` (from a block's copies, see `back_block`)
+        in place of reading `out_step` and `g`."""
         zeros = jnp.zeros_like(a)
         # A masked element pulls back zeros (see `linearize_chunk`), so it adds nothing
         # to `pd_bar`; its own cotangents are restored by the caller.
@@ -393,8 +397,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             ct_ks = [basis_ct[:, BASIS_STAGES + r] for r in range(method.stages)]
             y_direct = basis_ct[:, BASIS_Y]
         else:
-            # Every output is a step end: at most one lands on this step. (`outputs_at`:
-            # the step count and cotangent of output `ptr` from a block's copies.)
+            # Every output is a step end: at most one lands on this step.
             if outputs_at is None:
                 rows = jnp.maximum(ptr, 0)[:, None]
                 here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
@@ -527,35 +530,44 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         def back_block(i, c):
             # Blocks of `block` steps last first (see `solvers.ode.blocks`): the block's
             # rows are copied out of the record here, so that the loop over its steps
-            # touches small buffers only. One solve (`size` 1) that kept every step's
-            # start, with `chunk` 1.
+            # touches small buffers only. One solve (`size` 1, with `chunk` 1) that kept
+            # every step's start; under a `vmap` the sweep cannot see (forward mode over
+            # the sweep, `_Sweep.jvp`), its elements may have taken fewer steps than
+            # `m_max`: a row past an element's last step is linearised at that last step
+            # (as in `linearize_chunk`) and pulls back zeros.
             j0 = (n_blocks - 1 - i) * block
-            idx = jnp.minimum(j0 + jnp.arange(block), every - 1)
+            count = jnp.minimum(m_max - j0, block)  # the last block may hold fewer
+            last = jnp.maximum(m[0] - 1, 0)
+            idx = jnp.minimum(j0 + jnp.arange(block), last)  # rows a step was taken from
             starts = BlockRows.rows(ys[0], idx)
             ends = BlockRows.rows(ys[0], jnp.minimum(idx + 1, every - 1))
             k1_rows = jax.tree_util.tree_map(lambda b: BlockRows.rows(b[0], idx), k1s)
-            cols = jnp.minimum(k0 + j0 + jnp.arange(block), cap - 1)
+            cols = jnp.minimum(k0 + idx, cap - 1)
             t_rows, h_rows = rec_t[:, cols], rec_h[:, cols]
-            # The outputs the block's steps may reach: the next `block` below `ptr`.
-            ptr0 = c[3][0]
-            out_rows = jnp.clip(ptr0 - jnp.arange(block), 0, n_out - 1)
-            out_steps, out_g = out_step[:, out_rows], BlockRows.rows(g[0], out_rows)
+            took = steps >= 1  # else the start: the initial state and carry
+            outputs_at = None
+            if not loop.interpolate:
+                # The outputs the block's steps may reach: the next `block` below `ptr`.
+                ptr0 = c[3][0]
+                out_rows = jnp.clip(ptr0 - jnp.arange(block), 0, n_out - 1)
+                out_steps, out_g = out_step[:, out_rows], BlockRows.rows(g[0], out_rows)
 
-            def outputs_at(ptr):
-                i = jnp.clip(ptr0 - ptr[0], 0, block - 1)
-                return out_steps[:, i], out_g.get(i)[None]
+                def outputs_at(ptr):
+                    row = jnp.clip(ptr0 - ptr[0], 0, block - 1)
+                    return out_steps[:, row], out_g.get(row)[None]
 
             def back(jj, c):
                 r = count - 1 - jj
+                active = j0 + r < m
                 get = lambda rows: rows.get(r)[None]  # noqa: E731
-                k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=_is_rows)
-                end = (get(ends), j0 + r + 1 < m)
+                y = select(took, get(starts), y_cp[:, 0])
+                k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=is_rows)
+                k1 = select(took, k1, jax.tree_util.tree_map(lambda b: b[:, 0], k_cp))
+                end = (get(ends), idx[r] + 1 < m)
                 t, h = t_rows[:, r], h_rows[:, r]
-                pullback = linearize_step(t, h, get(starts), k1, end, jnp.zeros(size, bool))
+                pullback = linearize_step(t, h, y, k1, end, ~active)
                 return back_step(j0 + r, h, pullback, c, outputs_at)
 
-            # Only the block's steps: the last block may hold fewer than `block`.
-            count = jnp.minimum(m_max - j0, block)
             return jax.lax.fori_loop(0, count, back, c)
 
         def back_step(j, h, pullback, c, outputs_at=None):
