@@ -155,7 +155,7 @@ def _by_interval(attempt_to, state, y0, ts):
 
 def _recorded(attempt_to, state, rec, y0, ts):
     """Step onto every output time in one flat loop over all steps, recording them."""
-    n_out, n = ts.shape[0], y0.shape[0]
+    n_out = ts.shape[0]
 
     def body(c):
         s, rec, i, ys, out_step = c
@@ -164,22 +164,10 @@ def _recorded(attempt_to, state, rec, y0, ts):
         new, rec, taken = attempt_to(target, s, rec)
         hit = taken.live & (new.t >= target)
         new = dataclasses.replace(new, tries=jnp.where(hit, 0, new.tries))
-        row = jnp.where(hit, row, n_out)  # the spare last row
-        return (
-            new,
-            rec,
-            i + hit.astype(jnp.int32),
-            ys.at[row].set(new.y),
-            out_step.at[row].set(new.acc),
-        )
+        ys, out_step = _write_output(new, hit, row, ys, out_step)
+        return new, rec, i + hit.astype(jnp.int32), ys, out_step
 
-    init = (
-        state,
-        rec,
-        jnp.asarray(1, jnp.int32),
-        jnp.full((n_out + 1, n), jnp.nan, y0.dtype).at[0].set(y0),
-        jnp.zeros((n_out + 1,), jnp.int32),
-    )
+    init = (state, rec, jnp.asarray(1, jnp.int32), *_output_rows(y0, n_out))
     state, rec, _, ys, out_step = while_any(
         lambda c: (c[2] < n_out) & (c[0].status == SUCCESS), body, init
     )
@@ -191,7 +179,7 @@ def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
     (see `solvers.ode.blocks`): an inner loop steps until its block is full or it
     reaches the next output time, writing the block's own small buffers only; the
     outer loop copies the block into the record and writes the outputs."""
-    n_out, n = ts.shape[0], y0.shape[0]
+    n_out = ts.shape[0]
     parts = lambda r: (r.t, r.h, r.y_last, r.k_last)  # noqa: E731
     # Room for a whole block from any step up to the overflowing one (`max_steps + 1`),
     # trimmed back afterwards; each row flattened while the loop writes the blocks.
@@ -222,26 +210,11 @@ def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
         # the block fills (the next outer iteration writes the block again).
         big = jax.tree_util.tree_map(lambda r, b: r.write(b, base), staged, big, is_leaf=is_rows)
         base = jnp.where(s.acc - base >= block, base + block, base)
-        row = jnp.where(hit, row, n_out)  # the spare last row
-        return (
-            s,
-            big,
-            staged,
-            base,
-            i + hit.astype(jnp.int32),
-            ys.at[row].set(s.y),
-            out_step.at[row].set(s.acc),
-        )
+        ys, out_step = _write_output(s, hit, row, ys, out_step)
+        return s, big, staged, base, i + hit.astype(jnp.int32), ys, out_step
 
-    init = (
-        state,
-        big,
-        empty,
-        jnp.asarray(0, jnp.int32),
-        jnp.asarray(1, jnp.int32),
-        jnp.full((n_out + 1, n), jnp.nan, y0.dtype).at[0].set(y0),
-        jnp.zeros((n_out + 1,), jnp.int32),
-    )
+    zero, one = jnp.asarray(0, jnp.int32), jnp.asarray(1, jnp.int32)
+    init = (state, big, empty, zero, one, *_output_rows(y0, n_out))
     state, big, _, _, _, ys, out_step = jax.lax.while_loop(
         lambda c: (c[4] < n_out) & (c[0].status == SUCCESS), blocks, init
     )
@@ -249,6 +222,20 @@ def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
     t, h, y_last, k_last = jax.tree_util.tree_map(trim, big, parts(rec))
     rec = dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last)
     return state, rec, ys[:n_out], out_step[:n_out]
+
+
+def _output_rows(y0, n_out):
+    """The buffers of a loop that steps onto the output times: the outputs (`y0`, then
+    NaN until reached) and the step count at each, with a spare last row."""
+    ys = jnp.full((n_out + 1, y0.shape[0]), jnp.nan, y0.dtype).at[0].set(y0)
+    return ys, jnp.zeros((n_out + 1,), jnp.int32)
+
+
+def _write_output(s: StepState, hit, row, ys, out_step):
+    """The outputs with row `row` set to where `s` stands where `hit` (else the spare
+    last row is written)."""
+    row = jnp.where(hit, row, ys.shape[0] - 1)
+    return ys.at[row].set(s.y), out_step.at[row].set(s.acc)
 
 
 def _dense(cfg, attempt_to, state, rec, y0, ts):
