@@ -246,7 +246,7 @@ def test_a_diagonal_mass_other_than_ones(x64, method):
     np.testing.assert_allclose(ys, linear_closed_form(TS, 0.7, 1.3, 2.0), rtol=1e-7, atol=1e-9)
 
 
-@pytest.mark.parametrize("method", ["radau5", "rodas5p"])
+@pytest.mark.parametrize("method", [pytest.param("radau5", marks=pytest.mark.slow), "rodas5p"])
 def test_dense_output_of_a_dae(x64, method):
     def at(k):
         sol = odeint(linear_dae, jnp.array([2.0, 0.0]), jnp.array([0.0, 2.5]), k, 1.3,

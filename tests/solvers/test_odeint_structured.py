@@ -109,6 +109,7 @@ def test_user_jacobian_replaces_autodiff_in_y(x64):
     assert 1e-11 * scale < np.abs(wrong - auto).max() < 1e-3 * scale
 
 
+@pytest.mark.slow
 def test_user_jacobian_pytree_state_and_every_mode(x64):
     """A dict state, the Jacobian on the flattened state; grad, jacfwd, hessian and vmap
     against the closed form of `y' = A y`."""
@@ -196,7 +197,7 @@ def test_banded_stage_solves_on_a_line_of_points(x64, method):
 @pytest.mark.parametrize(
     "method",
     [
-        "bdf",
+        pytest.param("bdf", marks=pytest.mark.slow),
         "radau5",
         pytest.param("rodas5p", marks=pytest.mark.slow),
     ],
