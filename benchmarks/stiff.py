@@ -26,6 +26,15 @@ default; diffrax: its default `RecursiveCheckpointAdjoint`) and its compile time
 A work-precision diagram (error against time over tolerances) goes to
 `results/stiff.png`.
 
+The step-adjoint floor, for `rodas5p` on the small problems, is not a solver: the
+method's own step in a `lax.fori_loop` of equal steps (its cost does not depend on the
+step size: no iteration), and the same step linearised and pulled back with `jax.vjp`
+at stored states (up to 16 in turn, each buffer at most 512 bytes, so that the loop
+runs without XLA's task scheduler, as the sweep's blocks do). An adjoint that
+recomputes its steps pays at least one forward step and one pull-back per step:
+`1 + pull-back / forward` bounds its gradient's ratio to the forward time from below,
+whatever surrounds the steps.
+
 Usage::
 
     python -m benchmarks.stiff            # --quick (default): a few minutes on 2 cores
@@ -341,6 +350,67 @@ def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
     return list(rows.values())
 
 
+#: The method, loop length and stored states of the step-adjoint floor (see the module).
+FLOOR_METHOD, FLOOR_STEPS, FLOOR_ROWS = "rodas5p", 256, 16
+#: The problems with a floor row: no mass matrix, at most this many states.
+FLOOR_MAX_STATES = 16
+
+
+def step_floor(prob: Problem, method: str = FLOOR_METHOD) -> tuple[float, float]:
+    """`(forward, pull_back)`: seconds per step of `method`'s step in a loop of equal
+    steps, and of the step linearised and pulled back at stored states (see the
+    module)."""
+    from solvers.ode.blocks import SEQUENTIAL_BYTES
+    from solvers.ode.methods import METHODS, StageTolerance
+
+    m, tol, n = METHODS[method], StageTolerance(), FLOOR_STEPS
+    p = (jnp.asarray(prob.p),)
+    y0 = jnp.asarray(prob.y0)
+    rows = max(1, min(FLOOR_ROWS, SEQUENTIAL_BYTES // y0.nbytes))
+    h = 1e-6 * prob.t1
+
+    def f(y, t, p):
+        return prob.f(y, t, p[0], jnp)
+
+    k0 = f(y0, 0.0, p)
+
+    def step(y, k, t, p):
+        y1, _, k1, _, _ = m.step_with_stages(f, y, k, t, h, p, tol=tol)
+        return y1, k1
+
+    def forward(p):
+        def body(i, c):
+            return step(*c, i * h, p)
+
+        return jax.lax.fori_loop(0, n, body, (y0, k0))
+
+    def states(p):
+        def body(c, i):
+            y1, k1 = step(*c, i * h, p)
+            return (y1, k1), c
+
+        return jax.lax.scan(body, (y0, k0), jnp.arange(rows))[1]
+
+    def backward(p, ys, ks):
+        def body(j, c):
+            i = (n - 1 - j) % rows
+            a, k_bar, p_bar = c
+            _, pullback = jax.vjp(lambda y, k, p: step(y, k, i * h, p), ys[i], ks[i], p)
+            da, dk, dp = pullback((a, k_bar))
+            return da, dk, jax.tree_util.tree_map(jnp.add, p_bar, dp)
+
+        zero = jax.tree_util.tree_map(jnp.zeros_like, p)
+        return jax.lax.fori_loop(0, n, body, (jnp.ones_like(y0), jnp.zeros_like(k0), zero))
+
+    ys, ks = jax.jit(states)(p)
+    fwd, bwd = jax.jit(forward), jax.jit(backward)
+    med = interleaved(
+        {"forward": lambda: fwd(p), "pull-back": lambda: bwd(p, ys, ks)},
+        rounds=5, block=1, budget=10.0, args=(), min_time=MIN_TIME,
+    )  # fmt: skip
+    return med["forward"] / n, med["pull-back"] / n
+
+
 def work_precision(prob: Problem, tols: list[float], ref: np.ndarray) -> dict[str, list]:
     """(tolerance, time, error) per implementation over `tols` (atol as the problem's
     ratio to rtol)."""
@@ -638,7 +708,34 @@ def _table(prob, rows) -> list[str]:
     return lines
 
 
-def render(results, tols, mode: str, seconds: float, loads, large=()) -> str:
+def _floor_table(results, floors) -> list[str]:
+    lines = [
+        f"### Step-adjoint floor ({FLOOR_METHOD})",
+        "",
+        f"Not a solver: {FLOOR_STEPS} equal steps of `{FLOOR_METHOD}` in a loop, and the "
+        "same step linearised and pulled back with `jax.vjp` at stored states (see the "
+        "module). `1 + pull-back / forward` is the least a recomputing adjoint's gradient "
+        "costs against its forward solve.",
+        "",
+        "| problem | forward step (us) | pull-back of a step (us) | floor: grad / forward | "
+        "ours: grad / forward |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for prob, rows in results:
+        if prob.name not in floors:
+            continue
+        fwd, back = floors[prob.name]
+        r = {row.impl: row for row in rows}[f"ours ({FLOOR_METHOD})"]
+        ours_ratio = ratio(r.grad / r.forward) if r.grad and r.forward else "n/a"
+        lines.append(
+            f"| {prob.name} | {fmt(1e6 * fwd)} | {fmt(1e6 * back)} | "
+            f"{ratio(1 + back / fwd)} | {ours_ratio} |"
+        )
+    lines.append("")
+    return lines
+
+
+def render(results, tols, mode: str, seconds: float, loads, large=(), floors=None) -> str:
     versions = (
         f"jax {jax.__version__}, diffrax {importlib.metadata.version('diffrax')}, "
         f"scipy {importlib.metadata.version('scipy')}, backend {jax.default_backend()}, "
@@ -689,6 +786,8 @@ def render(results, tols, mode: str, seconds: float, loads, large=()) -> str:
             f"jit(grad) compile {ratio(best_ours.grad_compile / dfx.grad_compile)} diffrax's "
             "(goal < 1x)"
         )
+    if floors:
+        lines += _floor_table(results, floors)
     if large:
         lines += [
             "### Large systems: banded and sparse stage solves",
@@ -782,6 +881,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{prob.name}: reference (SciPy Radau, rtol 1e-12)")
         refs[prob.name] = reference(prob)
         results.append((prob, measure(prob, opts.mode, refs[prob.name])))
+    floors = {}
+    for prob, _ in results:
+        if prob.mass is None and len(prob.y0) <= FLOOR_MAX_STATES:
+            log(f"{prob.name}: step-adjoint floor ({FLOOR_METHOD})")
+            floors[prob.name] = step_floor(prob)
     tols = (
         [1e-4, 1e-6, 1e-8] if opts.mode == "quick" else [1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10]
     )
@@ -794,8 +898,9 @@ def main(argv: list[str] | None = None) -> int:
         ref = large_reference(prob)
         large.append((prob, measure_large(prob, opts.mode, ref)))
     report = render(
-        results, tols, opts.mode, time.perf_counter() - start, (load0, loadavg()), large
-    )
+        results, tols, opts.mode, time.perf_counter() - start, (load0, loadavg()), large,
+        floors,
+    )  # fmt: skip
     write_report(NAME, report, lambda png: plot(wp, png))
     return 0
 
