@@ -31,9 +31,10 @@ method's own step in a `lax.fori_loop` of equal steps (its cost does not depend 
 step size: no iteration), and the same step linearised and pulled back with `jax.vjp`
 at stored states (up to 16 in turn, each buffer at most 512 bytes, so that the loop
 runs without XLA's task scheduler, as the sweep's blocks do). An adjoint that
-recomputes its steps pays at least one forward step and one pull-back per step:
-`1 + pull-back / forward` bounds its gradient's ratio to the forward time from below,
-whatever surrounds the steps.
+recomputes its steps pays a forward step and a pull-back per step, so
+`1 + pull-back / forward` is the gradient's ratio to the forward time of a solve made
+of these steps alone. A real solve's forward time also holds its rejected attempts,
+step-size control and outputs, so its ratio may fall below that.
 
 Usage::
 
@@ -714,8 +715,9 @@ def _floor_table(results, floors) -> list[str]:
         "",
         f"Not a solver: {FLOOR_STEPS} equal steps of `{FLOOR_METHOD}` in a loop, and the "
         "same step linearised and pulled back with `jax.vjp` at stored states (see the "
-        "module). `1 + pull-back / forward` is the least a recomputing adjoint's gradient "
-        "costs against its forward solve.",
+        "module). `1 + pull-back / forward` is the gradient's ratio to the forward time "
+        "of a solve made of these steps alone, its adjoint recomputing each step; a real "
+        "solve's forward also holds rejected attempts and step-size control.",
         "",
         "| problem | forward step (us) | pull-back of a step (us) | floor: grad / forward | "
         "ours: grad / forward |",

@@ -45,7 +45,6 @@ def _assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert "| DEQ |" in proc.stdout or "| NeuralODE" in proc.stdout
 
 
-@pytest.mark.slow
 def test_sharded_layers_and_solvers():
     """DEQ, RootLayer, ArgminLayer, fixed_point, root, minimize, and a shard_map step."""
     _assert_ok(run_checks("fast", timeout=300))

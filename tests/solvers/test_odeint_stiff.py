@@ -412,6 +412,8 @@ def test_record_by_blocks_under_vmap_of_derivatives_of_the_gradient(x64):
         # whose solution nears the square root's singularity.)
         np.testing.assert_allclose(many, each, rtol=1e-7)
         np.testing.assert_allclose(many, exact, rtol=1e-4)
+    # A batch the sweep sees (the batched sweep).
+    np.testing.assert_allclose(jax.jit(jax.vmap(first))(ks), ks / 2 - 1, rtol=1e-4)
 
 
 @pytest.mark.slow
