@@ -60,7 +60,7 @@ ENTRIES: dict[str, tuple[str, dict[str, list[str]]]] = {
     ),
     "stiff": (
         "stiff problems of the IVP test set: odeint's kvaerno5, radau5, bdf and rodas5p vs diffrax "
-        "Kvaerno5 and SciPy Radau/BDF/LSODA (forward, steps, error, grad, compile; "
+        "Kvaerno3/4/5 and SciPy Radau/BDF/LSODA (forward, steps, error, grad, compile; "
         "work-precision plot)",
         {m: ["-m", "benchmarks.stiff", f"--{m}"] for m in ("quick", "full")},
     ),

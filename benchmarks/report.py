@@ -51,7 +51,7 @@ SECTIONS: list[tuple[str, str]] = [
     (
         "stiff",
         "`benchmarks/stiff.py`. Stiff problems of the IVP test set, solved to their last "
-        "time by our stiff methods (kvaerno5, radau5, bdf, rodas5p), diffrax's Kvaerno5 "
+        "time by our stiff methods (kvaerno5, radau5, bdf, rodas5p), diffrax's Kvaerno3/4/5 "
         "and SciPy (given the Jacobian). The error is against SciPy's Radau at "
         "`rtol = 1e-12`; `grad` is `jit(grad)` of the sum of the final state with "
         "respect to the parameters. The step-adjoint floor is not a solver: rodas5p's "

@@ -51,7 +51,9 @@ CASES = [
         "bruss16", "radau5", dict(linear_solver=BRUSS_BAND), id="bruss16-radau5-banded",
         marks=pytest.mark.slow,
     ),
-    pytest.param("rober", "radau5", dict(jac=rober_jac), id="rober-radau5-jac"),
+    pytest.param(
+        "rober", "radau5", dict(jac=rober_jac), id="rober-radau5-jac", marks=pytest.mark.slow
+    ),
     pytest.param("rober", "bdf", dict(jac=rober_jac), id="rober-bdf-jac", marks=pytest.mark.slow),
     pytest.param(
         "bruss16", "bdf", dict(linear_solver=BRUSS_BAND), id="bruss16-bdf-banded",
@@ -297,7 +299,9 @@ def test_default_stage_solver_by_size(x64):
     assert isinstance(dense.linear_solver, linear_solve.Dense)
 
 
-@pytest.mark.parametrize("method", ["bdf", pytest.param("rodas5p", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.slow) for m in ("bdf", "rodas5p")]
+)
 def test_default_stage_solver_on_a_large_system(x64, method):
     """A 1040-state reaction-diffusion line with the default stage solver: no warning,
     the same solution and gradient as the explicit band."""
