@@ -7,7 +7,8 @@
   every output time); for one small solve, a loop over blocks of steps around a loop
   over a block's steps, onto the next output time (`solvers.ode.blocks`);
 - one flat loop straight to `ts[-1]`, each output inside an accepted step evaluated
-  from the step's interpolant (`interpolate=True`);
+  from the step's interpolant (`interpolate=True`); when its steps are recorded for one
+  small solve, a loop over blocks of steps around it, as above;
 - one flat loop with every accepted step an output row (dense output).
 
 Under `vmap` every loop runs while any element is still going (`loop.while_any`) and
@@ -93,11 +94,12 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
     if cfg.dense:
         state, rec, ys, t_nodes, out_step = _dense(cfg, attempt_to, state, rec, y0, ts)
     elif cfg.interpolate:
-        state, rec, ys, out_step, out_theta = _interpolated(cfg, attempt_to, state, rec, y0, ts)
+        block = _block(rec, y0, ts, params) if cfg.record else 0
+        state, rec, ys, out_step, out_theta = _interpolated(
+            cfg, attempt_to, state, rec, y0, ts, block
+        )
     elif cfg.record:
-        rows = (rec.t, rec.h, rec.y_last, rec.k_last)
-        every = rec.y_last.shape[0] - 1  # (its last row is a spare)
-        block = record_block(every, rec.t.shape[0], rows, solve_batch(y0, ts, params))
+        block = _block(rec, y0, ts, params)
         if block:
             state, rec, ys, out_step = _recorded_by_blocks(attempt_to, state, rec, y0, ts, block)
         else:
@@ -129,6 +131,59 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
     if cfg.progress:
         progress.report_done(state)
     return Integration(ys=ys, info=info, t_nodes=t_nodes, final=state, record=record)
+
+
+def _block(rec, y0, ts, params) -> int:
+    """Steps per block of a record written by blocks (`loop.record_block`), else 0."""
+    rows = _parts(rec)
+    every = rec.y_last.shape[0] - 1  # (its last row is a spare)
+    return record_block(every, rec.t.shape[0], rows, solve_batch(y0, ts, params))
+
+
+def _parts(rec):
+    """The record's buffers with a row per step."""
+    return (rec.t, rec.h, rec.y_last, rec.k_last)
+
+
+def _by_blocks(rec, block, more, step, outer, carry, going):
+    """A recording loop for one small solve, its record written by blocks of `block`
+    steps (see `solvers.ode.blocks`). An inner loop runs `step(carry, rec) -> (carry,
+    rec)` while `more(carry)` and its block is not full, on a record whose buffers are
+    the block's own small copies (`Record.base`, the block's first step); the outer
+    loop, while `going(carry)`, runs the inner one, copies the block into the record and
+    applies `outer(carry) -> carry`. `carry[0]` is the `StepState`. Returns `(carry,
+    rec)`."""
+    # Room for a whole block from any step up to the overflowing one (`max_steps + 1`),
+    # trimmed back afterwards; each row flattened while the loop writes the blocks.
+    pad = lambda b: jnp.concatenate([b, jnp.zeros((block,) + b.shape[1:], b.dtype)])  # noqa: E731
+    big = jax.tree_util.tree_map(lambda b: flatten(pad(b)), _parts(rec))
+    empty = jax.tree_util.tree_map(lambda b: BlockRows.empty(b, block), _parts(rec))
+
+    def blocks(c):
+        carry, big, staged, base = c
+
+        def inner(c):
+            carry, _ = c
+            return more(carry) & (carry[0].acc - base < block)
+
+        def one(c):
+            carry, (t, h, y_last, k_last) = c
+            part = dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last, base=base)
+            carry, part = step(carry, part)
+            return carry, _parts(part)
+
+        carry, staged = jax.lax.while_loop(inner, one, (carry, staged))
+        # The block so far: the rows past its last step are stale, and overwritten as
+        # the block fills (the next outer iteration writes the block again).
+        big = jax.tree_util.tree_map(lambda r, b: r.write(b, base), staged, big, is_leaf=is_rows)
+        base = jnp.where(carry[0].acc - base >= block, base + block, base)
+        return outer(carry), big, staged, base
+
+    init = (carry, big, empty, jnp.asarray(0, jnp.int32))
+    carry, big, _, _ = jax.lax.while_loop(lambda c: going(c[0]), blocks, init)
+    trim = lambda b, x: b[: x.shape[0]].reshape(x.shape)  # noqa: E731
+    t, h, y_last, k_last = jax.tree_util.tree_map(trim, big, _parts(rec))
+    return carry, dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last)
 
 
 def _nan_unless_ok(s: StepState):
@@ -176,51 +231,32 @@ def _recorded(attempt_to, state, rec, y0, ts):
 
 def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
     """`_recorded` for one small solve, its record written by blocks of `block` steps
-    (see `solvers.ode.blocks`): an inner loop steps until its block is full or it
-    reaches the next output time, writing the block's own small buffers only; the
-    outer loop copies the block into the record and writes the outputs."""
+    (`_by_blocks`): the inner loop steps until its block is full or it reaches the next
+    output time; the outer loop writes the outputs."""
     n_out = ts.shape[0]
-    parts = lambda r: (r.t, r.h, r.y_last, r.k_last)  # noqa: E731
-    # Room for a whole block from any step up to the overflowing one (`max_steps + 1`),
-    # trimmed back afterwards; each row flattened while the loop writes the blocks.
-    pad = lambda b: jnp.concatenate([b, jnp.zeros((block,) + b.shape[1:], b.dtype)])  # noqa: E731
-    big = jax.tree_util.tree_map(lambda b: flatten(pad(b)), parts(rec))
-    empty = jax.tree_util.tree_map(lambda b: BlockRows.empty(b, block), parts(rec))
 
-    def blocks(c):
-        s, big, staged, base, i, ys, out_step = c
+    def step(c, part):
+        s, i, ys, out_step = c
+        s, part, _ = attempt_to(ts[jnp.minimum(i, n_out - 1)], s, part)
+        return (s, i, ys, out_step), part
+
+    def reached(c):
+        s, i, ys, out_step = c
         row = jnp.minimum(i, n_out - 1)
-        target = ts[row]
-
-        def more(c):
-            s, _ = c
-            return (s.t < target) & (s.status == SUCCESS) & (s.acc - base < block)
-
-        def one(c):
-            s, staged = c
-            t, h, y_last, k_last = staged
-            part = dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last, base=base)
-            new, part, _ = attempt_to(target, s, part)
-            return new, parts(part)
-
-        s, staged = jax.lax.while_loop(more, one, (s, staged))
-        hit = s.t >= target
+        hit = s.t >= ts[row]
         s = dataclasses.replace(s, tries=jnp.where(hit, 0, s.tries))
-        # The block so far: the rows past its last step are stale, and overwritten as
-        # the block fills (the next outer iteration writes the block again).
-        big = jax.tree_util.tree_map(lambda r, b: r.write(b, base), staged, big, is_leaf=is_rows)
-        base = jnp.where(s.acc - base >= block, base + block, base)
         ys, out_step = _write_output(s, hit, row, ys, out_step)
-        return s, big, staged, base, i + hit.astype(jnp.int32), ys, out_step
+        return s, i + hit.astype(jnp.int32), ys, out_step
 
-    zero, one = jnp.asarray(0, jnp.int32), jnp.asarray(1, jnp.int32)
-    init = (state, big, empty, zero, one, *_output_rows(y0, n_out))
-    state, big, _, _, _, ys, out_step = jax.lax.while_loop(
-        lambda c: (c[4] < n_out) & (c[0].status == SUCCESS), blocks, init
-    )
-    trim = lambda b, x: b[: x.shape[0]].reshape(x.shape)  # noqa: E731
-    t, h, y_last, k_last = jax.tree_util.tree_map(trim, big, parts(rec))
-    rec = dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last)
+    def more(c):
+        s, i = c[0], c[1]
+        return (s.t < ts[jnp.minimum(i, n_out - 1)]) & (s.status == SUCCESS)
+
+    def going(c):
+        return (c[1] < n_out) & (c[0].status == SUCCESS)
+
+    init = (state, jnp.asarray(1, jnp.int32), *_output_rows(y0, n_out))
+    (state, _, ys, out_step), rec = _by_blocks(rec, block, more, step, reached, init, going)
     return state, rec, ys[:n_out], out_step[:n_out]
 
 
@@ -268,9 +304,10 @@ def _dense(cfg, attempt_to, state, rec, y0, ts):
     return state, rec, ys, t_nodes, rows.astype(jnp.int32)
 
 
-def _interpolated(cfg, attempt_to, state, rec, y0, ts):
+def _interpolated(cfg, attempt_to, state, rec, y0, ts, block=0):
     """One flat loop to the last output time: the steps ignore the other output times,
-    and every output inside an accepted step is the step's interpolant."""
+    and every output inside an accepted step is the step's interpolant. With `block`,
+    one small solve's record is written by blocks of that many steps (`_by_blocks`)."""
     method = cfg.method
     n_out, n = ts.shape[0], y0.shape[0]
     tdt = ts.dtype
@@ -325,15 +362,26 @@ def _interpolated(cfg, attempt_to, state, rec, y0, ts):
         new = dataclasses.replace(new, tries=jnp.where(i > i0, 0, new.tries))
         return new, rec, i, ys, out_step, out_theta
 
-    init = (
-        state,
-        rec,
+    outputs = (
         jnp.asarray(1, jnp.int32),
         jnp.full((n_out + 1, n), jnp.nan, y0.dtype).at[0].set(y0),  # the last: a spare
         jnp.zeros((n_out + 1,), jnp.int32),
         jnp.ones((n_out + 1,), tdt),
     )
-    state, rec, _, ys, out_step, out_theta = while_any(
-        lambda c: (c[2] < n_out) & (c[0].status == SUCCESS), body, init
-    )
+    if block:
+
+        def step(c, part):
+            s, part, *outputs = body((c[0], part, *c[1:]))
+            return (s, *outputs), part
+
+        def going(c):
+            return (c[1] < n_out) & (c[0].status == SUCCESS)
+
+        (state, _, ys, out_step, out_theta), rec = _by_blocks(
+            rec, block, going, step, lambda c: c, (state, *outputs), going
+        )
+    else:
+        state, rec, _, ys, out_step, out_theta = while_any(
+            lambda c: (c[2] < n_out) & (c[0].status == SUCCESS), body, (state, rec, *outputs)
+        )
     return state, rec, ys[:n_out], out_step[:n_out], out_theta[:n_out]

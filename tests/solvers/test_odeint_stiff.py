@@ -381,6 +381,49 @@ def test_record_by_blocks_gives_the_gradient_of_the_whole_record(x64, method, ev
         assert len(ends) >= 2  # the last step at different places in its block
 
 
+@pytest.mark.parametrize(
+    "method, every_case",
+    [
+        ("rodas5p", False),
+        *(pytest.param(m, True, marks=pytest.mark.slow) for m in ("rodas5p", "kvaerno5", "bdf")),
+    ],
+)
+def test_interpolated_record_by_blocks_gives_the_gradient_of_the_whole_record(
+    x64, method, every_case
+):
+    """With `interpolate=True` one small solve's record is written by blocks too, and
+    its sweep reads each block's outputs as the moments summed per step. Against the
+    same solve with a replayed record (checkpoints: written whole, the outputs read by
+    their step pointer) and a `vmap` batch, over few outputs and over many (several
+    inside one step, more than a block's steps), and a last step past `max_steps`
+    (without `every_case`, many outputs only)."""
+    prob = PROBLEMS["rober"]
+    p, y0 = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+    w = jnp.array([1.0, 1e4, 0.0])
+
+    def loss(p, n_out, max_steps, checkpoints=None):
+        ts = jnp.concatenate([jnp.zeros(1), jnp.logspace(-5, 5, n_out)])
+        ys, _ = odeint(
+            f, y0, ts, p, method=method, rtol=1e-6, atol=1e-10, interpolate=True,
+            adjoint=CheckpointAdjoint(max_steps, checkpoints=checkpoints), throw=False,
+            return_info=True,
+        )  # fmt: skip
+        return jnp.sum(jnp.nan_to_num(ys[1:]) @ w)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=(1, 2, 3))
+    batched = jax.jit(jax.vmap(jax.grad(loss), (0, None, None)), static_argnums=(1, 2))
+    assert "tensor<16x3xf64>" in grad.lower(p, 10, 4096).as_text()
+    cases = [(10, 4096), (50, 4096), (50, 40)] if every_case else [(50, 4096)]
+    for n_out, max_steps in cases:
+        one = grad(p, n_out, max_steps)
+        assert np.all(np.isfinite(one))
+        np.testing.assert_allclose(one, grad(p, n_out, max_steps, 4), rtol=1e-11, atol=1e-22)
+        if n_out == 50 and max_steps == 4096:
+            three = batched(jnp.stack([p, p]), n_out, max_steps)
+            np.testing.assert_allclose(three, np.stack([one] * 2), rtol=1e-8, atol=1e-22)
+
+
 def test_record_by_blocks_under_vmap_of_derivatives_of_the_gradient(x64):
     """A solve written by blocks inside a `vmap` the sweep cannot see: `vmap(jacfwd(
     grad))` runs the sweep in forward mode through its own code, and `vmap(jit(grad))`

@@ -27,7 +27,9 @@ solution instead of iterating again.
 
 A small solve that kept every step's start reads its record a block of steps at a
 time (`solvers.ode.blocks`): the loop over a block's steps then touches small copies
-only, which XLA's CPU runtime runs without its task scheduler.
+only, which XLA's CPU runtime runs without its task scheduler. With `interpolate=True`
+its outputs' moments are summed per step before the sweep, and a block copies its
+steps' rows of those sums too.
 
 The sweep is written for a batch: every array has a leading batch axis, and the loops
 run to the batch's largest step count with the steps past an element's own count
@@ -325,6 +327,14 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         grouped = jax.vmap(lambda m, i: jnp.zeros_like(m).at[i].add(m))(moments, last_of)
     else:
         grouped = None
+    # One solve read by blocks: the moments summed per step instead (row `k` for the
+    # outputs inside step `k`), so that a block copies its steps' rows like the record's.
+    by_step = None
+    if block and grouped is not None and cap * grouped[0].size // n_out <= KEEP_ALL_MAX:
+        inside = jnp.where(reached, out_step - 1, cap)  # (rows not reached are dropped)
+        by_step = jax.vmap(
+            lambda m, k: jnp.zeros((cap, *m.shape[1:]), m.dtype).at[k].add(m, mode="drop")
+        )(moments, inside)
 
     def output_cotangents(k, h, active, ptr):
         """The cotangents of the outputs inside step `k` (of size `h`), on the
@@ -378,19 +388,24 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
         return jax.vjp(step_values, y, values, pd)[1]
 
-    def pull_back_step(k, h, pullback, active, a, k1_bar, ptr, outputs_at=None):
+    def pull_back_step(k, h, pullback, active, a, k1_bar, ptr, outputs_at=None, moments=None):
         """Step `k` (of size `h`) pulled back through its linearisation `pullback`: the
         cotangents of its start `y` and of `k1` from `a` and `k1_bar` (those of its end
         and of `f` there) and the outputs inside the step; the step's cotangent of `pd`;
         `ptr` moved past those outputs. `outputs_at(ptr)`, if given, returns the step
         count and cotangent of output `ptr` (from a block's copies, see `back_block`)
-        in place of reading `out_step` and `g`."""
+        in place of reading `out_step` and `g`; `moments`, if given, the step's summed
+        output moments (`by_step`'s row, with `interpolate`)."""
         zeros = jnp.zeros_like(a)
         # A masked element pulls back zeros (see `linearize_chunk`), so it adds nothing
         # to `pd_bar`; its own cotangents are restored by the caller.
         a = masked(active, a)
-        if loop.interpolate:
+        if loop.interpolate and moments is not None:
+            sums = masked(active, moments)
+            basis_ct = jax.vmap(lambda m, h: basis_from_moments(method, m, h))(sums, h)
+        elif loop.interpolate:
             basis_ct, ptr = output_cotangents(k, h, active, ptr)
+        if loop.interpolate:
             # (The outputs' cotangents are zero for a masked element.)
             ct_y1 = a + basis_ct[:, BASIS_Y1]
             ct_slope = basis_ct[:, BASIS_K_NEXT]
@@ -545,7 +560,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             cols = jnp.minimum(k0 + idx, cap - 1)
             t_rows, h_rows = rec_t[:, cols], rec_h[:, cols]
             took = steps >= 1  # else the start: the initial state and carry
-            outputs_at = None
+            outputs_at = moment_rows = None
+            if by_step is not None:
+                moment_rows = BlockRows.rows(by_step[0], cols)
             if not loop.interpolate:
                 # The outputs the block's steps may reach: the next `block` below `ptr`.
                 ptr0 = c[3][0]
@@ -566,15 +583,16 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 end = (get(ends), idx[r] + 1 < m)
                 t, h = t_rows[:, r], h_rows[:, r]
                 pullback = linearize_step(t, h, y, k1, end, ~active)
-                return back_step(j0 + r, h, pullback, c, outputs_at)
+                moments = None if moment_rows is None else get(moment_rows)
+                return back_step(j0 + r, h, pullback, c, outputs_at, moments)
 
             return jax.lax.fori_loop(0, count, back, c)
 
-        def back_step(j, h, pullback, c, outputs_at=None):
+        def back_step(j, h, pullback, c, outputs_at=None, moments=None):
             a, k1_bar, pd_bar, ptr = c
             active = j < m
             da, dk1, dp, ptr = pull_back_step(
-                k0 + j, h, pullback, active, a, k1_bar, ptr, outputs_at
+                k0 + j, h, pullback, active, a, k1_bar, ptr, outputs_at, moments
             )
             a = jnp.where(active[:, None], da, a)
             k1_bar = select(active, dk1, k1_bar)
