@@ -286,7 +286,7 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     if rec.base is not None:
         # One block of a record written by blocks (`BlockRows`, see `solvers.ode.blocks`):
         # step k in row k - base (a rejected attempt's row is taken by the next accepted
-        # step). No spare row: the block's loop (`outputs._recorded_by_blocks`) runs
+        # step). No spare row: the block's loop (`outputs._by_blocks`) runs
         # only while the solve is live and the block is not full.
         i = s.acc - rec.base
         put = lambda rows, x: rows.set(i, x)  # noqa: E731

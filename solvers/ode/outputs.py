@@ -145,13 +145,13 @@ def _parts(rec):
     return (rec.t, rec.h, rec.y_last, rec.k_last)
 
 
-def _by_blocks(rec, block, more, step, outer, carry, going):
+def _by_blocks(rec, block, going, run_block, carry):
     """A recording loop for one small solve, its record written by blocks of `block`
-    steps (see `solvers.ode.blocks`). An inner loop runs `step(carry, rec) -> (carry,
-    rec)` while `more(carry)` and its block is not full, on a record whose buffers are
-    the block's own small copies (`Record.base`, the block's first step); the outer
-    loop, while `going(carry)`, runs the inner one, copies the block into the record and
-    applies `outer(carry) -> carry`. `carry[0]` is the `StepState`. Returns `(carry,
+    steps (see `solvers.ode.blocks`), while `going(carry)` (`carry[0]` is the
+    `StepState`). `run_block(carry, staged, stage, full) -> (carry, staged)` runs one
+    block's own loop: its steps write to the record `stage(staged)`, whose buffers are
+    the block's small copies `staged` (`Record.base` the block's first step), until
+    `full(state)`; this loop then copies the block into the record. Returns `(carry,
     rec)`."""
     # Room for a whole block from any step up to the overflowing one (`max_steps + 1`),
     # trimmed back afterwards; each row flattened while the loop writes the blocks.
@@ -162,22 +162,16 @@ def _by_blocks(rec, block, more, step, outer, carry, going):
     def blocks(c):
         carry, big, staged, base = c
 
-        def inner(c):
-            carry, _ = c
-            return more(carry) & (carry[0].acc - base < block)
+        def stage(staged):
+            t, h, y_last, k_last = staged
+            return dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last, base=base)
 
-        def one(c):
-            carry, (t, h, y_last, k_last) = c
-            part = dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last, base=base)
-            carry, part = step(carry, part)
-            return carry, _parts(part)
-
-        carry, staged = jax.lax.while_loop(inner, one, (carry, staged))
+        carry, staged = run_block(carry, staged, stage, lambda s: s.acc - base >= block)
         # The block so far: the rows past its last step are stale, and overwritten as
         # the block fills (the next outer iteration writes the block again).
         big = jax.tree_util.tree_map(lambda r, b: r.write(b, base), staged, big, is_leaf=is_rows)
         base = jnp.where(carry[0].acc - base >= block, base + block, base)
-        return outer(carry), big, staged, base
+        return carry, big, staged, base
 
     init = (carry, big, empty, jnp.asarray(0, jnp.int32))
     carry, big, _, _ = jax.lax.while_loop(lambda c: going(c[0]), blocks, init)
@@ -231,32 +225,36 @@ def _recorded(attempt_to, state, rec, y0, ts):
 
 def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
     """`_recorded` for one small solve, its record written by blocks of `block` steps
-    (`_by_blocks`): the inner loop steps until its block is full or it reaches the next
-    output time; the outer loop writes the outputs."""
+    (`_by_blocks`): a block's loop steps until the block is full or it reaches the next
+    output time, touching only the state and the block's small buffers; then the
+    output is written."""
     n_out = ts.shape[0]
 
-    def step(c, part):
-        s, i, ys, out_step = c
-        s, part, _ = attempt_to(ts[jnp.minimum(i, n_out - 1)], s, part)
-        return (s, i, ys, out_step), part
-
-    def reached(c):
+    def run_block(c, staged, stage, full):
         s, i, ys, out_step = c
         row = jnp.minimum(i, n_out - 1)
-        hit = s.t >= ts[row]
+        target = ts[row]
+
+        def more(c):
+            s, _ = c
+            return (s.t < target) & (s.status == SUCCESS) & ~full(s)
+
+        def one(c):
+            s, staged = c
+            new, part, _ = attempt_to(target, s, stage(staged))
+            return new, _parts(part)
+
+        s, staged = jax.lax.while_loop(more, one, (s, staged))
+        hit = s.t >= target
         s = dataclasses.replace(s, tries=jnp.where(hit, 0, s.tries))
         ys, out_step = _write_output(s, hit, row, ys, out_step)
-        return s, i + hit.astype(jnp.int32), ys, out_step
-
-    def more(c):
-        s, i = c[0], c[1]
-        return (s.t < ts[jnp.minimum(i, n_out - 1)]) & (s.status == SUCCESS)
+        return (s, i + hit.astype(jnp.int32), ys, out_step), staged
 
     def going(c):
         return (c[1] < n_out) & (c[0].status == SUCCESS)
 
     init = (state, jnp.asarray(1, jnp.int32), *_output_rows(y0, n_out))
-    (state, _, ys, out_step), rec = _by_blocks(rec, block, more, step, reached, init, going)
+    (state, _, ys, out_step), rec = _by_blocks(rec, block, going, run_block, init)
     return state, rec, ys[:n_out], out_step[:n_out]
 
 
@@ -369,16 +367,21 @@ def _interpolated(cfg, attempt_to, state, rec, y0, ts, block=0):
         jnp.ones((n_out + 1,), tdt),
     )
     if block:
-
-        def step(c, part):
-            s, part, *outputs = body((c[0], part, *c[1:]))
-            return (s, *outputs), part
-
+        # (A block's loop carries the outputs too: with few of them, under the limit.)
         def going(c):
             return (c[1] < n_out) & (c[0].status == SUCCESS)
 
+        def run_block(c, staged, stage, full):
+            def one(c):
+                (s, *outputs), staged = c
+                s, part, *outputs = body((s, stage(staged), *outputs))
+                return (s, *outputs), _parts(part)
+
+            more = lambda c: going(c[0]) & ~full(c[0][0])  # noqa: E731
+            return jax.lax.while_loop(more, one, (c, staged))
+
         (state, _, ys, out_step, out_theta), rec = _by_blocks(
-            rec, block, going, step, lambda c: c, (state, *outputs), going
+            rec, block, going, run_block, (state, *outputs)
         )
     else:
         state, rec, _, ys, out_step, out_theta = while_any(
