@@ -312,29 +312,34 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # `x` where `keep` (a leading part of its shape), else 0; leaf by leaf.
         return select(keep, x, jax.tree_util.tree_map(jnp.zeros_like, x))
 
+    def basis_of(sums, h):
+        # Summed moments of each element's outputs inside a step, on the basis.
+        return jax.vmap(lambda m, h: basis_from_moments(method, m, h))(sums, h)
+
+    grouped = first = by_step = None
     if loop.interpolate and n_out * n <= _GROUPED_MAX:
         # Few numbers in all: the outputs' moments (`output_moments`) are summed per
-        # step once, before the sweep, each step's sum kept in its last row; a step
-        # then gathers one row, and `ptr` jumps to the row before its first.
+        # step once, before the sweep.
         rows = jnp.arange(n_out)
         reached = (rows >= 1) & (out_step >= 1)
-        # Row 0 first, then the reached rows by step (in order), then those not reached.
-        key = jnp.where(rows == 0, 0, jnp.where(reached, out_step, jnp.iinfo(jnp.int32).max))
-        first = jax.vmap(lambda k: jnp.searchsorted(k, k, side="left"))(key).astype(jnp.int32)
-        last_of = jax.vmap(lambda k: jnp.searchsorted(k, k, side="right") - 1)(key)
         g_reached = masked(reached, g)
         moments = jax.vmap(lambda th, g: output_moments(method, th, g))(out_theta, g_reached)
-        grouped = jax.vmap(lambda m, i: jnp.zeros_like(m).at[i].add(m))(moments, last_of)
-    else:
-        grouped = None
-    # One solve read by blocks: the moments summed per step instead (row `k` for the
-    # outputs inside step `k`), so that a block copies its steps' rows like the record's.
-    by_step = None
-    if block and grouped is not None and cap * grouped[0].size // n_out <= KEEP_ALL_MAX:
-        inside = jnp.where(reached, out_step - 1, cap)  # (rows not reached are dropped)
-        by_step = jax.vmap(
-            lambda m, k: jnp.zeros((cap, *m.shape[1:]), m.dtype).at[k].add(m, mode="drop")
-        )(moments, inside)
+        if block and cap * moments[0].size // n_out <= KEEP_ALL_MAX:
+            # One solve read by blocks: row `k` holds the sum of the outputs inside
+            # step `k`, so that a block copies its steps' rows like the record's.
+            inside = jnp.where(reached, out_step - 1, cap)  # (rows not reached are dropped)
+            by_step = jax.vmap(
+                lambda m, k: jnp.zeros((cap, *m.shape[1:]), m.dtype).at[k].add(m, mode="drop")
+            )(moments, inside)
+        else:
+            # Each step's sum kept in its last row; a step then gathers one row, and
+            # `ptr` jumps to the row before its first. Row 0 first, then the reached
+            # rows by step (in order), then those not reached.
+            big = jnp.iinfo(jnp.int32).max
+            key = jnp.where(rows == 0, 0, jnp.where(reached, out_step, big))
+            first = jax.vmap(lambda k: jnp.searchsorted(k, k, side="left"))(key).astype(jnp.int32)
+            last_of = jax.vmap(lambda k: jnp.searchsorted(k, k, side="right") - 1)(key)
+            grouped = jax.vmap(lambda m, i: jnp.zeros_like(m).at[i].add(m))(moments, last_of)
 
     def output_cotangents(k, h, active, ptr):
         """The cotangents of the outputs inside step `k` (of size `h`), on the
@@ -344,7 +349,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             here = jnp.take_along_axis(out_step, rows, 1)[:, 0]
             hit = active & (ptr >= 1) & (here == k + 1)
             sums = masked(hit, jnp.take_along_axis(grouped, rows[:, :, None, None], 1)[:, 0])
-            basis_ct = jax.vmap(lambda m, h: basis_from_moments(method, m, h))(sums, h)
+            basis_ct = basis_of(sums, h)
             below = jnp.take_along_axis(first, rows, 1)[:, 0] - 1
             return basis_ct, jnp.where(hit, below, ptr)
 
@@ -400,12 +405,11 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # A masked element pulls back zeros (see `linearize_chunk`), so it adds nothing
         # to `pd_bar`; its own cotangents are restored by the caller.
         a = masked(active, a)
-        if loop.interpolate and moments is not None:
-            sums = masked(active, moments)
-            basis_ct = jax.vmap(lambda m, h: basis_from_moments(method, m, h))(sums, h)
-        elif loop.interpolate:
-            basis_ct, ptr = output_cotangents(k, h, active, ptr)
         if loop.interpolate:
+            if moments is None:
+                basis_ct, ptr = output_cotangents(k, h, active, ptr)
+            else:
+                basis_ct = basis_of(masked(active, moments), h)
             # (The outputs' cotangents are zero for a masked element.)
             ct_y1 = a + basis_ct[:, BASIS_Y1]
             ct_slope = basis_ct[:, BASIS_K_NEXT]
