@@ -33,10 +33,13 @@ __all__ = [
     "rows_differ",
 ]
 
-# Rows per iteration of the sequential scans, measured on CPU: unrolling speeds up
-# the factorisation but slows the (lighter) solves by ten times.
-_UNROLL_FACTOR = 8
+# Rows per iteration of the solves' sequential scans: unrolled, a body has more
+# operations than XLA's CPU runtime runs in order, and the solves slow down tenfold.
 _UNROLL = 1
+#: Bands with `lower` up to this find each pivot by comparisons row after row (fused
+#: into the step's other operations); wider ones by `argmax`. Measured on CPU at 2048
+#: unknowns: 4x faster at `lower = 1`, equal at 8, 1.4x slower at 10.
+_PIVOT_BY_COMPARISONS = 8
 #: Bands with `max(lower, upper)` at least this are factored by blocks (`band_lu`).
 #: Measured on CPU at 2048 unknowns: bandwidth 30 factors as fast either way and
 #: solves 3.8x faster by blocks; bandwidth 126 factors 2.7x faster; bandwidth 2 is
@@ -129,6 +132,17 @@ def band_lu(ab: jax.Array, lower: int, upper: int):
     return band_lu_rows(ab, lower, upper)
 
 
+def _pivot(column: jax.Array) -> jax.Array:
+    """The index of the first largest entry of `column` (`jnp.argmax`'s choice)."""
+    if column.shape[0] - 1 > _PIVOT_BY_COMPARISONS:
+        return jnp.argmax(column).astype(jnp.int32)
+    p, best = jnp.zeros((), jnp.int32), column[0]
+    for i in range(1, column.shape[0]):
+        better = column[i] > best
+        p, best = jnp.where(better, i, p), jnp.where(better, column[i], best)
+    return p
+
+
 def band_lu_rows(ab: jax.Array, lower: int, upper: int):
     """LU factorisation with partial pivoting of the band `ab` (LAPACK's unblocked
     band algorithm, one column per step of a `lax.scan`).
@@ -149,21 +163,24 @@ def band_lu_rows(ab: jax.Array, lower: int, upper: int):
     window = window * (jnp.arange(m)[None, :] <= jnp.arange(lower + 1)[:, None] + upper)
     incoming = padded[lower + 1 : lower + 1 + n]  # row k + lower + 1 enters at step k
 
-    def step(window, new_row):
-        p = jnp.argmax(jnp.abs(window[:, 0]))
-        top, other = window[0], window[p]
-        window = window.at[0].set(other).at[p].set(top)
-        pivot_row = window[0]
-        ell = window[1:, 0] / pivot_row[0]
-        rest = window[1:] - ell[:, None] * pivot_row[None, :]
-        shifted = jnp.pad(rest[:, 1:], ((0, 0), (0, 1)))
-        window = jnp.concatenate([shifted, new_row[None, :]], axis=0)
-        return window, (pivot_row, ell, p)
+    rows = jnp.arange(lower + 1)[:, None]
 
-    _, (upper_rows, multipliers, pivots) = jax.lax.scan(
-        step, window, incoming, unroll=_UNROLL_FACTOR
-    )
-    return upper_rows, multipliers, pivots.astype(jnp.int32)
+    def step(window, new_row):
+        p = _pivot(jnp.abs(window[:, 0]))
+        hit = rows == p
+        # The interchange by selects, and the step's factors packed into one row: a
+        # scatter, or three outputs, would each be one more operation of the loop body.
+        pivot_row = jnp.sum(jnp.where(hit, window, 0), axis=0)
+        others = jnp.where(hit[1:], window[0][None, :], window[1:])
+        ell = others[:, 0] / pivot_row[0]
+        rest = others - ell[:, None] * pivot_row[None, :]
+        shifted = jnp.concatenate([rest[:, 1:], jnp.zeros((lower, 1), rest.dtype)], axis=1)
+        window = jnp.concatenate([shifted, new_row[None, :]], axis=0)
+        return window, jnp.concatenate([pivot_row, ell, p[None].astype(ell.dtype)])
+
+    _, packed = jax.lax.scan(step, window, incoming)
+    pivots = jnp.real(packed[:, -1]).astype(jnp.int32)
+    return packed[:, :m], packed[:, m : m + lower], pivots
 
 
 def band_lu_solve(factors, b: jax.Array, lower: int, trans: int = 0) -> jax.Array:
