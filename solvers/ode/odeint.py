@@ -312,12 +312,13 @@ def odeint(
     out = jax.vmap(unravel)(ys)
     if dense:
         flat_f = lambda y, s, params: field(y, s, *params)  # noqa: E731
-        coeffs = step_polynomials(m, flat_f, ys, t_nodes, (pd, pn))
+        num_steps = jnp.sum(t_nodes < t_nodes[-1]).astype(jnp.int32)
+        coeffs = step_polynomials(m, flat_f, ys, t_nodes, (pd, pn), num_steps)
         out = ODESolution(
             ts=t_nodes,
             ys=out,
             coeffs=jax.vmap(jax.vmap(unravel))(coeffs),
-            num_steps=jnp.sum(t_nodes < t_nodes[-1]).astype(jnp.int32),
+            num_steps=num_steps,
         )
     if return_info:
         return out, info

@@ -6,10 +6,11 @@ its ends:
 
 - Dopri5, Tsit5 and Dopri8 have continuous extensions built from the step's own
   stages, `y(t_i + theta h) = y_i + h sum_j w_j(theta) k_j`, accurate to about the
-  order of the method (4, 4 and 7); the stages are recomputed from the kept states
-  once, after the solve.
-- The others (Bosh3, Kvaerno5, RK4, Euler) use the cubic Hermite interpolant that
-  matches the values and derivatives at both ends, `O(h^4)` per step.
+  order of the method (4, 4 and 7); so do Rodas5P, Rodas4 and Radau5 (their stages
+  solved again with the step's own matrix). The stages are recomputed from the kept
+  states once, after the solve, for the steps taken (not for the rest of the buffer).
+- The others (BDF, Kvaerno5, Bosh3, RK4, Euler) use the cubic Hermite interpolant
+  that matches the values and derivatives at both ends, `O(h^4)` per step.
 
 Both are defined once, in `solvers.ode.interpolation`; `odeint(interpolate=True)`
 evaluates the same polynomials inside its loop.
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from implicitdiff import error_if
+from implicitdiff.internal import any_over_batch
 
 from .interpolation import step_coefficients
 from .methods import AbstractMethod
@@ -121,13 +123,25 @@ class ODESolution(eqx.Module):
         return jax.tree_util.tree_map(leaf, self.coeffs)
 
 
-def step_polynomials(method: AbstractMethod, f, ys, ts, params):
+#: Steps whose polynomials are computed together. The kept buffer has a row for every
+#: step `max_steps` allows; only the chunks that hold a step taken are computed.
+POLYNOMIAL_CHUNK = 64
+
+
+def step_polynomials(method: AbstractMethod, f, ys, ts, params, steps=None):
     """The coefficients of each step's polynomial in `theta` (lowest power first).
 
     `f(y, t, params)` is the flat vector field, `ys` the states at the step times `ts`
-    (flat, one row per node). Returns an array `(steps, powers, n)` for the steps
+    (flat, one row per node), `steps` the number of steps taken (the nodes after the
+    last repeat the end). Returns an array `(steps, powers, n)` for the steps
     between consecutive nodes: the same interpolant as `odeint(interpolate=True)`
     (`interpolation.step_coefficients`), with the stages recomputed from the nodes.
+
+    The rows are computed `POLYNOMIAL_CHUNK` at a time, in a `lax.scan` (differentiable
+    in reverse mode, unlike a loop of unknown length) whose chunks past `steps` give
+    the constant polynomial of the end without computing any stage: a solve of a
+    hundred steps with `max_steps=4096` recomputes two chunks, not 4096 rows of stages
+    (for a Rosenbrock method a Jacobian and a factorisation each).
     """
 
     span = ts[-1] - ts[0]
@@ -152,7 +166,34 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params):
             ks = method.stages_of(f, y, k1, t, h, params)
             k_next = ks[-1]
         coeffs = step_coefficients(method, h, y, y1, k_next, ks)
-        constant = jnp.zeros_like(coeffs).at[0].set(y)
-        return jnp.where(empty, constant, coeffs)
+        return jnp.where(empty, jnp.zeros_like(coeffs).at[0].set(y), coeffs)
 
-    return jax.vmap(one)(ys[:-1], ys[1:], ts[:-1], ts[1:])
+    rows = ys.shape[0] - 1
+    nodes = (ys[:-1], ys[1:], ts[:-1], ts[1:])
+    hermite = method.continuous_weights() is None and method.interpolation is None
+    if steps is None or hermite or rows <= POLYNOMIAL_CHUNK:
+        # (The cubic Hermite polynomial needs no stage: every row at once is cheaper.)
+        return jax.vmap(one)(*nodes)
+    chunks = -(-rows // POLYNOMIAL_CHUNK)
+
+    def split(x):
+        # Padded with the last node: steps of size 0, whose polynomial is the constant.
+        pad = jnp.repeat(x[-1:], chunks * POLYNOMIAL_CHUNK - rows, axis=0)
+        x = jnp.concatenate([x, pad])
+        return x.reshape((chunks, POLYNOMIAL_CHUNK) + x.shape[1:])
+
+    def chunk(_, x):
+        start, nodes = x
+        computed = jax.vmap(one)
+        shape = jax.eval_shape(computed, *nodes)
+
+        def constant():
+            return jnp.zeros(shape.shape, shape.dtype).at[:, 0].set(nodes[0])
+
+        # Under `vmap`, computed for the whole batch when any element's steps reach it.
+        taken = any_over_batch(start < steps)
+        return None, jax.lax.cond(taken, lambda: computed(*nodes), constant)
+
+    starts = jnp.arange(chunks) * POLYNOMIAL_CHUNK
+    _, coeffs = jax.lax.scan(chunk, None, (starts, tuple(map(split, nodes))))
+    return coeffs.reshape((-1,) + coeffs.shape[2:])[:rows]

@@ -134,6 +134,37 @@ def test_vmap_jit_and_per_element_steps(x64, adjoint):
     np.testing.assert_allclose(gv, g, rtol=1e-10)
 
 
+@pytest.mark.parametrize("method", ["rodas5p", "dopri5"])
+def test_polynomials_by_chunks_match_every_row_at_once(x64, monkeypatch, method):
+    """The polynomials are computed a chunk of steps at a time, the chunks past the
+    last step skipped (`solution.POLYNOMIAL_CHUNK`): with chunks of 4, solves whose
+    steps end in different chunks (under `vmap`) give the coefficients of every row at
+    once, and the same gradients, which match the closed form."""
+    from solvers.ode import solution
+
+    ks = jnp.array([0.5, 1.5, 6.0])
+    tq = 0.9
+
+    def run(chunk):
+        monkeypatch.setattr(solution, "POLYNOMIAL_CHUNK", chunk)
+        dense = lambda k: _dense(decay, 1.0, k, method=method, max_steps=64)  # noqa: E731
+        sols = jax.jit(jax.vmap(dense))(ks)
+        grads = jax.jit(jax.vmap(jax.grad(lambda k: dense(k).evaluate(tq))))(ks)
+        return sols, grads
+
+    sols, grads = run(4)
+    every, grads_every = run(10**6)
+    steps = np.asarray(sols.num_steps)
+    assert len(set(steps // 4)) == 3 and steps.max() > 8, steps
+    np.testing.assert_allclose(sols.coeffs, every.coeffs, rtol=1e-13, atol=1e-15)
+    # Past the last step: the constant polynomial of the end.
+    for c, y, n in zip(np.asarray(sols.coeffs), np.asarray(sols.ys), steps):
+        np.testing.assert_array_equal(c[n:, 0], np.broadcast_to(y[n], c[n:, 0].shape))
+        np.testing.assert_array_equal(c[n:, 1:], 0)
+    np.testing.assert_allclose(grads, grads_every, rtol=1e-12)
+    np.testing.assert_allclose(grads, -tq * np.exp(-tq * ks), rtol=1e-5)
+
+
 def test_float32():
     sol = odeint(decay, jnp.float32(1.0), jnp.array(SPAN, jnp.float32), 1.5, dense=True,
                  rtol=1e-5, atol=1e-5, max_steps=128)  # fmt: skip
