@@ -133,7 +133,9 @@ def band_lu(ab: jax.Array, lower: int, upper: int):
 
 
 def _pivot(column: jax.Array) -> jax.Array:
-    """The index of the first largest entry of `column` (`jnp.argmax`'s choice)."""
+    """The index of the first largest entry of `column`, as `jnp.argmax` picks it for
+    finite entries (a NaN is passed over here, unless first; the factors are not finite
+    either way)."""
     if column.shape[0] - 1 > _PIVOT_BY_COMPARISONS:
         return jnp.argmax(column).astype(jnp.int32)
     p, best = jnp.zeros((), jnp.int32), column[0]

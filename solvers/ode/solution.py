@@ -133,7 +133,7 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params, steps=None):
 
     `f(y, t, params)` is the flat vector field, `ys` the states at the step times `ts`
     (flat, one row per node), `steps` the number of steps taken (the nodes after the
-    last repeat the end). Returns an array `(steps, powers, n)` for the steps
+    last repeat the end). Returns an array `(len(ts) - 1, powers, n)` for the steps
     between consecutive nodes: the same interpolant as `odeint(interpolate=True)`
     (`interpolation.step_coefficients`), with the stages recomputed from the nodes.
 
@@ -177,15 +177,17 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params, steps=None):
     chunks = -(-rows // POLYNOMIAL_CHUNK)
 
     def split(x):
-        # Padded with the last node: steps of size 0, whose polynomial is the constant.
+        # Padded with copies of the last row (computed, then dropped).
         pad = jnp.repeat(x[-1:], chunks * POLYNOMIAL_CHUNK - rows, axis=0)
         x = jnp.concatenate([x, pad])
         return x.reshape((chunks, POLYNOMIAL_CHUNK) + x.shape[1:])
 
+    computed = jax.vmap(one)
+    split_nodes = tuple(map(split, nodes))
+    shape = jax.eval_shape(computed, *(x[0] for x in split_nodes))
+
     def chunk(_, x):
         start, nodes = x
-        computed = jax.vmap(one)
-        shape = jax.eval_shape(computed, *nodes)
 
         def constant():
             return jnp.zeros(shape.shape, shape.dtype).at[:, 0].set(nodes[0])
@@ -195,5 +197,5 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params, steps=None):
         return None, jax.lax.cond(taken, lambda: computed(*nodes), constant)
 
     starts = jnp.arange(chunks) * POLYNOMIAL_CHUNK
-    _, coeffs = jax.lax.scan(chunk, None, (starts, tuple(map(split, nodes))))
+    _, coeffs = jax.lax.scan(chunk, None, (starts, split_nodes))
     return coeffs.reshape((-1,) + coeffs.shape[2:])[:rows]

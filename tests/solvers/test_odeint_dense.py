@@ -137,9 +137,11 @@ def test_vmap_jit_and_per_element_steps(x64, adjoint):
 @pytest.mark.parametrize("method", ["rodas5p", "dopri5"])
 def test_polynomials_by_chunks_match_every_row_at_once(x64, monkeypatch, method):
     """The polynomials are computed a chunk of steps at a time, the chunks past the
-    last step skipped (`solution.POLYNOMIAL_CHUNK`): with chunks of 4, solves whose
-    steps end in different chunks (under `vmap`) give the coefficients of every row at
-    once, and the same gradients, which match the closed form."""
+    last step skipped (`solution.POLYNOMIAL_CHUNK`): with chunks of 4 (the 62 rows
+    padded to 64), solves whose steps end in different chunks give the coefficients of
+    every row at once, one by one and under `vmap` (where a chunk is computed for the
+    batch when any element reaches it), and the same gradients, which match the closed
+    form."""
     from solvers.ode import solution
 
     ks = jnp.array([0.5, 1.5, 6.0])
@@ -147,13 +149,16 @@ def test_polynomials_by_chunks_match_every_row_at_once(x64, monkeypatch, method)
 
     def run(chunk):
         monkeypatch.setattr(solution, "POLYNOMIAL_CHUNK", chunk)
-        dense = lambda k: _dense(decay, 1.0, k, method=method, max_steps=64)  # noqa: E731
+        dense = lambda k: _dense(decay, 1.0, k, method=method, max_steps=62)  # noqa: E731
         sols = jax.jit(jax.vmap(dense))(ks)
         grads = jax.jit(jax.vmap(jax.grad(lambda k: dense(k).evaluate(tq))))(ks)
-        return sols, grads
+        ones = [jax.jit(dense)(k).coeffs for k in ks]
+        return sols, grads, ones
 
-    sols, grads = run(4)
-    every, grads_every = run(10**6)
+    sols, grads, ones = run(4)
+    every, grads_every, ones_every = run(10**6)
+    for c, c_every in zip(ones, ones_every):
+        np.testing.assert_allclose(c, c_every, rtol=1e-13, atol=1e-15)
     steps = np.asarray(sols.num_steps)
     assert len(set(steps // 4)) == 3 and steps.max() > 8, steps
     np.testing.assert_allclose(sols.coeffs, every.coeffs, rtol=1e-13, atol=1e-15)
