@@ -9,7 +9,8 @@
 - one flat loop straight to `ts[-1]`, each output inside an accepted step evaluated
   from the step's interpolant (`interpolate=True`); when its steps are recorded for one
   small solve, a loop over blocks of steps around it, as above;
-- one flat loop with every accepted step an output row (dense output).
+- one flat loop with every accepted step an output row (dense output); for one
+  small solve, a loop over blocks of steps around it, as above.
 
 Under `vmap` every loop runs while any element is still going (`loop.while_any`) and
 the finished elements write only to spare slots, so no buffer is copied per iteration.
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import progress
-from .blocks import BlockRows, flatten, is_rows
+from .blocks import BlockRows, block_size, flatten, is_rows
 from .info import MAX_STEPS, SUCCESS, ODEInfo
 from .interpolation import evaluate_step, step_coefficients
 from .loop import LoopConfig, attempt, initial_state, record_block, solve_batch, while_any
@@ -92,7 +93,8 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
 
     t_nodes = out_theta = None
     if cfg.dense:
-        state, rec, ys, t_nodes, out_step = _dense(cfg, attempt_to, state, rec, y0, ts)
+        block = _block(rec, y0, ts, params, _dense_rows(cfg, y0, ts))
+        state, rec, ys, t_nodes, out_step = _dense(cfg, attempt_to, state, rec, y0, ts, block)
     elif cfg.interpolate:
         block = _block(rec, y0, ts, params) if cfg.record else 0
         state, rec, ys, out_step, out_theta = _interpolated(
@@ -133,40 +135,48 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
     return Integration(ys=ys, info=info, t_nodes=t_nodes, final=state, record=record)
 
 
-def _block(rec, y0, ts, params) -> int:
-    """Steps per block of a record written by blocks (`loop.record_block`), else 0."""
-    rows = _parts(rec)
+def _block(rec, y0, ts, params, rows=()) -> int:
+    """Steps per block of a loop whose per-step buffers, the record's (`rec`, or
+    `None`) and `rows`, are written by blocks (`loop.record_block`, `block_size`), else
+    0."""
+    batch = solve_batch(y0, ts, params)
+    if rec is None:
+        return block_size(rows, batch)
     every = rec.y_last.shape[0] - 1  # (its last row is a spare)
-    return record_block(every, rec.t.shape[0], rows, solve_batch(y0, ts, params))
+    return record_block(every, rec.t.shape[0], (_parts(rec), rows), batch)
 
 
 def _parts(rec):
-    """The record's buffers with a row per step."""
-    return (rec.t, rec.h, rec.y_last, rec.k_last)
+    """The record's buffers with a row per step (none without a record)."""
+    return None if rec is None else (rec.t, rec.h, rec.y_last, rec.k_last)
 
 
-def _by_blocks(rec, block, going, run_block, carry):
-    """A recording loop for one small solve, its record written by blocks of `block`
-    steps (see `solvers.ode.blocks`), while `going(carry)` (`carry[0]` is the
-    `StepState`). `run_block(carry, staged, stage, full) -> (carry, staged)` runs one
-    block's own loop: its steps write to the record `stage(staged)`, whose buffers are
-    the block's small copies `staged` (`Record.base` the block's first step), until
-    `full(state)`; this loop then copies the block into the record. Returns `(carry,
-    rec)`."""
+def _with_parts(rec, parts, base=None):
+    """The record with its per-step buffers `parts` (`_parts`'s order); with `base`,
+    one block's (see `RecordBuffers.base`)."""
+    if rec is None:
+        return None
+    t, h, y_last, k_last = parts
+    return dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last, base=base)
+
+
+def _by_blocks(buffers, block, going, run_block, carry):
+    """A loop of one small solve whose per-step buffers (`buffers`, a pytree of arrays
+    with a row per step) are written by blocks of `block` steps (see
+    `solvers.ode.blocks`), while `going(carry)` (`carry[0]` is the `StepState`).
+    `run_block(carry, staged, base, full) -> (carry, staged)` runs one block's own
+    loop: its steps write step `k`'s row to row `k - base` of the block's small copies
+    `staged` (`BlockRows`), until `full(state)`; this loop then copies the block into
+    the buffers. Returns `(carry, buffers)`."""
     # Room for a whole block from any step up to the overflowing one (`max_steps + 1`),
     # trimmed back afterwards; each row flattened while the loop writes the blocks.
     pad = lambda b: jnp.concatenate([b, jnp.zeros((block,) + b.shape[1:], b.dtype)])  # noqa: E731
-    big = jax.tree_util.tree_map(lambda b: flatten(pad(b)), _parts(rec))
-    empty = jax.tree_util.tree_map(lambda b: BlockRows.empty(b, block), _parts(rec))
+    big = jax.tree_util.tree_map(lambda b: flatten(pad(b)), buffers)
+    empty = jax.tree_util.tree_map(lambda b: BlockRows.empty(b, block), buffers)
 
     def blocks(c):
         carry, big, staged, base = c
-
-        def stage(staged):
-            t, h, y_last, k_last = staged
-            return dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last, base=base)
-
-        carry, staged = run_block(carry, staged, stage, lambda s: s.acc - base >= block)
+        carry, staged = run_block(carry, staged, base, lambda s: s.acc - base >= block)
         # The block so far: the rows past its last step are stale, and overwritten as
         # the block fills (the next outer iteration writes the block again).
         big = jax.tree_util.tree_map(lambda r, b: r.write(b, base), staged, big, is_leaf=is_rows)
@@ -176,8 +186,7 @@ def _by_blocks(rec, block, going, run_block, carry):
     init = (carry, big, empty, jnp.asarray(0, jnp.int32))
     carry, big, _, _ = jax.lax.while_loop(lambda c: going(c[0]), blocks, init)
     trim = lambda b, x: b[: x.shape[0]].reshape(x.shape)  # noqa: E731
-    t, h, y_last, k_last = jax.tree_util.tree_map(trim, big, _parts(rec))
-    return carry, dataclasses.replace(rec, t=t, h=h, y_last=y_last, k_last=k_last)
+    return carry, jax.tree_util.tree_map(trim, big, buffers)
 
 
 def _nan_unless_ok(s: StepState):
@@ -230,7 +239,7 @@ def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
     output is written."""
     n_out = ts.shape[0]
 
-    def run_block(c, staged, stage, full):
+    def run_block(c, staged, base, full):
         s, i, ys, out_step = c
         row = jnp.minimum(i, n_out - 1)
         target = ts[row]
@@ -241,7 +250,7 @@ def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
 
         def one(c):
             s, staged = c
-            new, part, _ = attempt_to(target, s, stage(staged))
+            new, part, _ = attempt_to(target, s, _with_parts(rec, staged, base))
             return new, _parts(part)
 
         s, staged = jax.lax.while_loop(more, one, (s, staged))
@@ -254,8 +263,8 @@ def _recorded_by_blocks(attempt_to, state, rec, y0, ts, block):
         return (c[1] < n_out) & (c[0].status == SUCCESS)
 
     init = (state, jnp.asarray(1, jnp.int32), *_output_rows(y0, n_out))
-    (state, _, ys, out_step), rec = _by_blocks(rec, block, going, run_block, init)
-    return state, rec, ys[:n_out], out_step[:n_out]
+    (state, _, ys, out_step), parts = _by_blocks(_parts(rec), block, going, run_block, init)
+    return state, _with_parts(rec, parts), ys[:n_out], out_step[:n_out]
 
 
 def _output_rows(y0, n_out):
@@ -272,20 +281,61 @@ def _write_output(s: StepState, hit, row, ys, out_step):
     return ys.at[row].set(s.y), out_step.at[row].set(s.acc)
 
 
-def _dense(cfg, attempt_to, state, rec, y0, ts):
-    """Every accepted step is an output row: one flat loop to the end of the span."""
+def _dense_rows(cfg, y0, ts):
+    """The per-step buffers of a dense loop written by blocks: the state and the time
+    at the start of each step, steps `0 .. cfg.dense` (the last one overflows)."""
+    rows = cfg.dense + 1
+    return (jnp.zeros((rows, y0.shape[0]), y0.dtype), jnp.zeros((rows,), ts.dtype))
+
+
+def _dense(cfg, attempt_to, state, rec, y0, ts, block=0):
+    """Every accepted step is an output row: one flat loop to the end of the span. With
+    `block`, one small solve writes its rows (and its record) by blocks of that many
+    steps (`_by_blocks`), each step the state at its start."""
     n_rows = cfg.dense + 1
     n = y0.shape[0]
     tdt = ts.dtype
+    rows = jnp.arange(n_rows)
 
-    def body(c):
-        s, rec, ys, tn = c
+    def attempt_dense(s, rec):
         new, rec, _ = attempt_to(ts[-1], s, rec)
-        row = jnp.where(new.acc > s.acc, jnp.minimum(new.acc, n_rows), n_rows)
         full = new.acc > cfg.dense
         new = dataclasses.replace(
             new, status=jnp.where(full, MAX_STEPS, new.status).astype(jnp.int32)
         )
+        return new, rec
+
+    if block:
+
+        def run_block(c, staged, base, full):
+            def one(c):
+                (s,), (part, (ys, tn)) = c
+                # Step k's start in row k - base: a rejected attempt writes the same.
+                ys, tn = ys.set(s.acc - base, s.y), tn.set(s.acc - base, s.t)
+                new, part = attempt_dense(s, _with_parts(rec, part, base))
+                return (new,), (_parts(part), (ys, tn))
+
+            more = lambda c: _going(ts[-1])(c[0]) & ~full(c[0][0])  # noqa: E731
+            return jax.lax.while_loop(more, one, (c, staged))
+
+        buffers = (_parts(rec), _dense_rows(cfg, y0, ts))
+        (state,), (parts, (ys_buf, tn)) = _by_blocks(
+            buffers, block, _going(ts[-1]), run_block, (state,)
+        )
+        rec = _with_parts(rec, parts)
+        # Rows past the last step's start: where the solve stands.
+        start = rows < state.acc
+        last = rows == state.acc
+        ys = jnp.where(
+            start[:, None], ys_buf, jnp.where(last[:, None], state.y, _nan_unless_ok(state))
+        )
+        t_nodes = jnp.where(start, tn, state.t)
+        return state, rec, ys, t_nodes, rows.astype(jnp.int32)
+
+    def body(c):
+        s, rec, ys, tn = c
+        new, rec = attempt_dense(s, rec)
+        row = jnp.where(new.acc > s.acc, jnp.minimum(new.acc, n_rows), n_rows)
         return new, rec, ys.at[row].set(new.y), tn.at[row].set(new.t)  # row n_rows: a spare
 
     init = (
@@ -295,7 +345,6 @@ def _dense(cfg, attempt_to, state, rec, y0, ts):
         jnp.zeros((n_rows + 1,), tdt).at[0].set(ts[0]),
     )
     state, rec, ys_buf, tn = while_any(_going(ts[-1]), body, init)
-    rows = jnp.arange(n_rows)
     done = rows <= state.acc
     ys = jnp.where(done[:, None], ys_buf[:n_rows], _nan_unless_ok(state))
     t_nodes = jnp.where(done, tn[:n_rows], state.t)
@@ -371,18 +420,19 @@ def _interpolated(cfg, attempt_to, state, rec, y0, ts, block=0):
         def going(c):
             return (c[1] < n_out) & (c[0].status == SUCCESS)
 
-        def run_block(c, staged, stage, full):
+        def run_block(c, staged, base, full):
             def one(c):
                 (s, *outputs), staged = c
-                s, part, *outputs = body((s, stage(staged), *outputs))
+                s, part, *outputs = body((s, _with_parts(rec, staged, base), *outputs))
                 return (s, *outputs), _parts(part)
 
             more = lambda c: going(c[0]) & ~full(c[0][0])  # noqa: E731
             return jax.lax.while_loop(more, one, (c, staged))
 
-        (state, _, ys, out_step, out_theta), rec = _by_blocks(
-            rec, block, going, run_block, (state, *outputs)
+        (state, _, ys, out_step, out_theta), parts = _by_blocks(
+            _parts(rec), block, going, run_block, (state, *outputs)
         )
+        rec = _with_parts(rec, parts)
     else:
         state, rec, _, ys, out_step, out_theta = while_any(
             lambda c: (c[2] < n_out) & (c[0].status == SUCCESS), body, (state, rec, *outputs)

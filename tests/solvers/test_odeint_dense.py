@@ -170,6 +170,42 @@ def test_polynomials_by_chunks_match_every_row_at_once(x64, monkeypatch, method)
     np.testing.assert_allclose(grads, -tq * np.exp(-tq * ks), rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["rodas5p", "tsit5"])
+def test_rows_by_blocks_match_rows_written_whole(x64, monkeypatch, method):
+    """One small solve writes its dense rows (and its record) by blocks of steps
+    (`outputs._by_blocks`); forced to write them whole, the same solve gives the same
+    nodes, values, counts and gradient, also when its steps overflow `max_steps`."""
+    from solvers.ode import outputs
+
+    def run(whole, max_steps):
+        if whole:
+            monkeypatch.setattr(outputs, "_block", lambda *args, **kw: 0)
+        else:
+            monkeypatch.undo()
+        kw = dict(method=method, max_steps=max_steps, throw=False, return_info=True)
+        dense = lambda w: _dense(oscillator, {"x": 1.0, "v": 0.0}, w, **kw)  # noqa: E731
+        sol, info = jax.jit(dense)(1.7)
+        grad = jax.jit(jax.grad(lambda w: dense(w)[0].evaluate(1.3)["x"]))(1.7)
+        return sol, info, grad
+
+    for max_steps in (256, 20):
+        sol, info, grad = run(False, max_steps)
+        sol_w, info_w, grad_w = run(True, max_steps)
+        assert int(info.status) == (0 if max_steps == 256 else 1)
+        assert int(info.steps) == int(info_w.steps) and int(sol.num_steps) > 16
+        np.testing.assert_array_equal(sol.ts, sol_w.ts)
+        for a, b in zip(jax.tree_util.tree_leaves(sol.ys), jax.tree_util.tree_leaves(sol_w.ys)):
+            np.testing.assert_array_equal(a, b)
+        # (The polynomials, recomputed in two different programs, to rounding.)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(sol.coeffs), jax.tree_util.tree_leaves(sol_w.coeffs)
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+        if max_steps == 256:
+            np.testing.assert_allclose(grad, grad_w, rtol=1e-12)
+            np.testing.assert_allclose(grad, -1.3 * np.sin(1.7 * 1.3), rtol=1e-5)
+
+
 def test_float32():
     sol = odeint(decay, jnp.float32(1.0), jnp.array(SPAN, jnp.float32), 1.5, dense=True,
                  rtol=1e-5, atol=1e-5, max_steps=128)  # fmt: skip
