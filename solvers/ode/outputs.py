@@ -138,7 +138,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
 def _block(rec, y0, ts, params, rows=()) -> int:
     """Steps per block of a loop whose per-step buffers, the record's (`rec`, or
     `None`) and `rows`, are written by blocks (`loop.record_block`, `block_size`), else
-    0."""
+    0 (a batch, a record that does not keep every step's start, or a row too large)."""
     batch = solve_batch(y0, ts, params)
     if rec is None:
         return block_size(rows, batch)

@@ -177,11 +177,15 @@ def test_rows_by_blocks_match_rows_written_whole(x64, monkeypatch, method):
     nodes, values, counts and gradient, also when its steps overflow `max_steps`."""
     from solvers.ode import outputs
 
+    blocks = []
+    block = outputs._block
+
+    def spy(*args, **kw):
+        blocks.append(block(*args, **kw))
+        return blocks[-1]
+
     def run(whole, max_steps):
-        if whole:
-            monkeypatch.setattr(outputs, "_block", lambda *args, **kw: 0)
-        else:
-            monkeypatch.undo()
+        monkeypatch.setattr(outputs, "_block", (lambda *args, **kw: 0) if whole else spy)
         kw = dict(method=method, max_steps=max_steps, throw=False, return_info=True)
         dense = lambda w: _dense(oscillator, {"x": 1.0, "v": 0.0}, w, **kw)  # noqa: E731
         sol, info = jax.jit(dense)(1.7)
@@ -204,6 +208,25 @@ def test_rows_by_blocks_match_rows_written_whole(x64, monkeypatch, method):
         if max_steps == 256:
             np.testing.assert_allclose(grad, grad_w, rtol=1e-12)
             np.testing.assert_allclose(grad, -1.3 * np.sin(1.7 * 1.3), rtol=1e-5)
+    assert blocks and set(blocks) == {16}, blocks
+
+    # A solve that fails on its way (y' = y^2 from 1 blows up at t = 1): the rows
+    # past the last step are NaN either way.
+    def blowup(y, t):
+        return y**2
+
+    def failing(whole):
+        monkeypatch.setattr(outputs, "_block", (lambda *args, **kw: 0) if whole else spy)
+        kw = dict(method=method, throw=False, return_info=True)
+        return jax.jit(lambda: _dense(blowup, 1.0, **kw))()
+
+    (sol, info), (sol_w, info_w) = failing(False), failing(True)
+    assert int(info.status) != 0 and int(info.status) == int(info_w.status)
+    n = int(info.steps)
+    assert n == int(info_w.steps) > 16
+    np.testing.assert_array_equal(sol.ts, sol_w.ts)
+    np.testing.assert_array_equal(sol.ys, sol_w.ys)
+    assert np.all(np.isnan(np.asarray(sol.ys)[n + 1 :])) and np.all(np.isfinite(sol.ys[: n + 1]))
 
 
 def test_float32():
