@@ -79,6 +79,16 @@ class LinearSolver(abc.ABC):
         linearises eight steps at once) asks this first."""
         return True
 
+    @property
+    def solves_complex(self) -> bool:
+        """Whether `init` and `solve` take a complex operator and complex right-hand
+        sides (an operator on complex vectors, `b_like` of a complex dtype). True for
+        the direct solvers (`Dense`, `Banded`, `Sparse`); the iterative ones are
+        written for real systems, on which a complex one is solved as the real system
+        of twice its size. Code with a complex system to solve (the complex pair of
+        Radau IIA's iteration) asks this first."""
+        return False
+
     @abc.abstractmethod
     def init(self, matvec: MatVec, b_like: PyTree) -> PyTree:
         """Prepare to solve with the operator `matvec`.

@@ -34,6 +34,11 @@ class Factored(LinearSolver):
     singular_message: ClassVar[str] = ""
     throw: bool = True
 
+    @property
+    def solves_complex(self) -> bool:
+        # LU factors and substitutions hold in complex arithmetic as they are.
+        return True
+
     @abc.abstractmethod
     def _apply(self, factors: tuple[Any, ...], b: jax.Array, trans: int) -> jax.Array:
         """`A^{-1} b` (`trans=0`) or `A^{-T} b` (`trans=1`) on a flat vector `b`."""

@@ -11,9 +11,10 @@ is stiffly accurate and L-stable). The simplified Newton iteration works on the
 transformed increments `W = (T^-1 x I) Z`, with `T^-1 A^-1 T` block diagonal: one
 real eigenvalue and a complex pair of `A^-1` (Solving ODEs II, IV.8). Its matrix
 `(h^-1 A^-1 x I - I x J)` then splits into a real `n x n` system `(gamma / h - J)` and
-a complex one `((alpha - i beta) / h - J)`, solved as a real system on `(n, 2)`
-arrays (real and imaginary parts side by side), each prepared once per step by the
-method's linear solver.
+a complex one `((alpha - i beta) / h - J)`, each prepared once per step by the
+method's linear solver: the direct solvers factor the complex one in complex
+arithmetic, the others solve it as a real system on `(n, 2)` arrays (real and
+imaginary parts side by side).
 
 The stage equations go through `implicitdiff.custom_root`: differentiating a step
 (the checkpointed adjoint, forward sensitivities) uses the implicit function theorem
@@ -104,6 +105,43 @@ def _mix(m: np.ndarray, z):
     return jnp.stack(cols, axis=1)
 
 
+def _pair_solver(solver: LinearSolver, jvp, mass, shift_re, shift_im, n: int, dt):
+    """Prepare the complex system `((shift_re + i shift_im) M - J) x = b` once, and
+    return `solve(b_re, b_im) -> (n, 2)`, the real and imaginary parts of `x` side by
+    side.
+
+    A solver that takes complex systems (`LinearSolver.solves_complex`: the direct
+    ones) factors the `n x n` complex matrix, with `J` applied to the real and
+    imaginary parts of a vector; one of real systems only solves the equivalent real
+    system on `(n, 2)` arrays (`solver.coupled(2)`), twice the size, and for a band
+    twice the width."""
+    if solver.solves_complex:
+        shift = jax.lax.complex(shift_re, shift_im)
+
+        def matrix(v):
+            return shift * mass(v) - jax.lax.complex(jvp(v.real), jvp(v.imag))
+
+        like = jnp.zeros(n, jnp.result_type(dt, jnp.complex64))
+        state = jax.lax.stop_gradient(solver.init(matrix, like))
+
+        def solve(b_re, b_im):
+            x = solver.solve(state, jax.lax.complex(b_re, b_im))
+            return jnp.stack([x.real, x.imag], axis=1)
+
+        return solve
+
+    def real_form(v):  # the same operator on (re, im) columns
+        mv = mass(v)
+        re, im = mv[:, 0], mv[:, 1]
+        out_re = shift_re * re - shift_im * im - jvp(v[:, 0])
+        out_im = shift_im * re + shift_re * im - jvp(v[:, 1])
+        return jnp.stack([out_re, out_im], axis=1)
+
+    pair_solver = solver.coupled(2)
+    state = jax.lax.stop_gradient(pair_solver.init(real_form, jnp.zeros((n, 2), dt)))
+    return lambda b_re, b_im: pair_solver.solve(state, jnp.stack([b_re, b_im], axis=1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Radau5(AbstractMethod):
     """Radau IIA of order 5 (see the module): three implicit stages solved together,
@@ -179,18 +217,10 @@ class Radau5(AbstractMethod):
         def real_matrix(v):
             return shift_real * mass(v) - jvp(v)
 
-        def pair_matrix(v):  # (shift_re + i shift_im) M - J on (re, im) columns
-            mv = mass(v)
-            re, im = mv[:, 0], mv[:, 1]
-            out_re = shift_re * re - shift_im * im - jvp(v[:, 0])
-            out_im = shift_im * re + shift_re * im - jvp(v[:, 1])
-            return jnp.stack([out_re, out_im], axis=1)
-
-        pair_solver = solver.coupled(2)
         lu_real = jax.lax.stop_gradient(solver.init(real_matrix, y))
         # The second preparation waits for the first (see `after`).
         shift_re, shift_im = after((shift_re, shift_im), lu_real)
-        lu_pair = jax.lax.stop_gradient(pair_solver.init(pair_matrix, jnp.zeros((n, 2), dt)))
+        pair_solve = _pair_solver(solver, jvp, mass, shift_re, shift_im, n, dt)
 
         def stage_fields(z):
             return jnp.stack([f(y + z[:, i], t + C[i] * h, params) for i in range(3)], axis=1)
@@ -206,8 +236,7 @@ class Radau5(AbstractMethod):
             d_real = solver.solve(lu_real, fw[:, 0] - shift_real * mw[:, 0])
             rhs_re = fw[:, 1] - (shift_re * mw[:, 1] - shift_im * mw[:, 2])
             rhs_im = fw[:, 2] - (shift_im * mw[:, 1] + shift_re * mw[:, 2])
-            d_pair = pair_solver.solve(lu_pair, jnp.stack([rhs_re, rhs_im], axis=1))
-            return jnp.concatenate([d_real[:, None], d_pair], axis=1)
+            return jnp.concatenate([d_real[:, None], pair_solve(rhs_re, rhs_im)], axis=1)
 
         eps = float(jnp.finfo(dt).eps)
         kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
