@@ -1,13 +1,14 @@
-"""Assemble `docs/benchmarks.md` from one run of the suite.
+"""Assemble `docs/benchmarks.md` from the suite's results.
 
 Usage::
 
     python -m benchmarks            # writes results/*.md and results/*.png
     python -m benchmarks.report     # docs/benchmarks.md and docs/img/*.png from them
 
-Every table on the page comes from the files the suite wrote in `results/`, so the
-page shows one run, dated by the files' modification time, with the settings and
-versions each entry recorded. The short notes between the tables say what each
+Every table on the page comes from the files the suite wrote in `results/`: one run,
+or, where `--only` reran some entries, each entry's last run (the page says which),
+dated by the files' modification times, with the settings and versions each entry
+recorded. The short notes between the tables say what each
 benchmark measures and how to read it.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import datetime
 import pathlib
 import shutil
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -105,13 +107,28 @@ SECTIONS: list[tuple[str, str]] = [
 INTRO = """\
 # Benchmarks
 
-Every table below comes from one run of `python -m benchmarks` (the README's main
-job) on {date}; `python -m benchmarks.report` builds this page from the files that
-run wrote under `results/`. Each entry runs in its own process; times are medians of
+{origin}. `python -m benchmarks.report` builds this page from the files the suite
+wrote under `results/`. Each entry runs in its own process; times are medians of
 repeated calls, compile time is measured apart from run time, and ours and the peers
 run side by side in one process. Each section's first line records the versions, the
 machine and its load during that entry.
 """
+ONE_RUN = (
+    "Every table below comes from one run of `python -m benchmarks` (the README's main "
+    "job) on {date}"
+)
+SEVERAL_RUNS = (
+    "Each section below comes from the last run of its entry by `python -m benchmarks` "
+    "(the README's main job; `--only` reruns some entries), {when}"
+)
+
+
+def _suite_entries(suite: pathlib.Path) -> set[str]:
+    """The entries the last run's table (`results/suite.md`) lists as run to the end."""
+    if not suite.exists():
+        return set()
+    rows = [line.split("|") for line in suite.read_text().splitlines() if line.startswith("| ")]
+    return {row[1].strip() for row in rows[1:] if len(row) > 3 and row[2].strip() == "ok"}
 
 
 def _strip_title(text: str) -> tuple[str, str]:
@@ -128,12 +145,26 @@ def build(results: pathlib.Path = RESULTS, docs: pathlib.Path = DOCS) -> str:
     if not present:
         raise SystemExit(f"no results in {results}: run `python -m benchmarks` first")
     stamps = [(results / f"{name}.md").stat().st_mtime for name, _ in present]
-    date = datetime.datetime.fromtimestamp(max(stamps), datetime.UTC).strftime("%Y-%m-%d")
-    parts = [INTRO.format(date=date)]
+    first, last = (
+        datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d")
+        for t in (min(stamps), max(stamps))
+    )
     suite = results / "suite.md"
+    one_run = {name for name, _ in present} <= _suite_entries(suite)
+    if one_run:
+        origin = ONE_RUN.format(date=last)
+    else:
+        when = f"on {last}" if first == last else f"between {first} and {last}"
+        origin = SEVERAL_RUNS.format(when=when)
+        if suite.exists():
+            origin += ". The last run's table lists the entries it ran"
+    intro = INTRO.format(origin=origin).split("\n\n")
+    intro[1] = textwrap.fill(" ".join(intro[1].split()), width=88)
+    parts = ["\n\n".join(intro)]
     if suite.exists():
         title, body = _strip_title(suite.read_text())
-        parts.append(f"## The run: {title[0].lower() + title[1:]}\n\n{body}" if title else body)
+        heading = "The run" if one_run else "The last run"
+        parts.append(f"## {heading}: {title[0].lower() + title[1:]}\n\n{body}" if title else body)
     (docs / "img").mkdir(parents=True, exist_ok=True)
     for name, note in present:
         title, body = _strip_title((results / f"{name}.md").read_text())

@@ -10,7 +10,9 @@ Each method is a class, a subclass of `LinearSolver` whose fields are its option
 - solves in one shot when called, `solver(matvec, b) -> x` with `matvec(x) = b`, so an
   instance goes wherever a function `solve(matvec, b)` is expected.
 
-Here `b` is any pytree of real floating-point arrays and `matvec` is a linear JAX function
+Here `b` is any pytree of real floating-point arrays (the direct solvers' `init`, `solve`
+and `transpose_solve` also take complex ones: `LinearSolver.solves_complex`) and `matvec`
+is a linear JAX function
 mapping pytrees of that structure to the same structure (it may close over arrays, e.g. a
 matrix or the parameters of a Jacobian). Every solver
 

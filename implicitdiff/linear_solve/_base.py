@@ -81,12 +81,14 @@ class LinearSolver(abc.ABC):
 
     @property
     def solves_complex(self) -> bool:
-        """Whether `init` and `solve` take a complex operator and complex right-hand
-        sides (an operator on complex vectors, `b_like` of a complex dtype). True for
-        the direct solvers (`Dense`, `Banded`, `Sparse`); the iterative ones are
+        """Whether `init`, `solve` and `transpose_solve` take a complex operator and
+        complex right-hand sides (an operator on complex vectors, `b_like` of a complex
+        dtype; `transpose_solve` with the plain transpose, not the conjugate one). True
+        for the direct solvers (`Dense`, `Banded`, `Sparse`); the iterative ones are
         written for real systems, on which a complex one is solved as the real system
-        of twice its size. Code with a complex system to solve (the complex pair of
-        Radau IIA's iteration) asks this first."""
+        of twice its size. The one-shot call takes real systems only, and derivatives
+        are for real systems. Code with a complex system to solve (the complex pair of
+        Radau IIA's iteration, outside any derivative) asks this first."""
         return False
 
     @abc.abstractmethod

@@ -186,16 +186,30 @@ def _shuffled_band_for_sparse(n, seed):
     return linear_solve.Sparse(np.nonzero(a)), a
 
 
+def _blocks_for_sparse(sizes, seed):
+    """Independent diagonal blocks stored interleaved: `Sparse` factors them as blocks."""
+    n = sum(sizes)
+    a = np.zeros((n, n), complex)
+    start = 0
+    for k, size in enumerate(sizes):
+        a[start : start + size, start : start + size] = _complex_band(size, size, size, seed + k)
+        start += size
+    order = np.random.default_rng(seed).permutation(n)
+    a = a[order][:, order]
+    return linear_solve.Sparse(np.nonzero(a)), a
+
+
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: (linear_solve.Dense(), _complex_band(5, 4, 4, 1)),  # substitution
+        lambda: (linear_solve.Dense(), _complex_band(4, 3, 3, 1)),  # substitution
         lambda: (linear_solve.Dense(), _complex_band(12, 11, 11, 2)),  # LAPACK
         lambda: (linear_solve.Banded(2, 1), _complex_band(30, 2, 1, 3)),  # row by row
         lambda: (linear_solve.Banded(17, 16), _complex_band(40, 17, 16, 4)),  # by blocks
         lambda: _shuffled_band_for_sparse(30, 5),  # reordered to a band
+        lambda: _blocks_for_sparse([3, 2, 3, 3], 6),  # independent blocks
     ],
-    ids=["dense-small", "dense", "banded-rows", "banded-blocks", "sparse"],
+    ids=["dense-small", "dense", "banded-rows", "banded-blocks", "sparse", "sparse-blocks"],
 )
 def test_direct_solvers_take_complex_systems(x64, make):
     """The direct solvers (`solves_complex`) factor a complex matrix and solve with it
@@ -216,8 +230,9 @@ def test_direct_solvers_take_complex_systems(x64, make):
     np.testing.assert_allclose(x, np.linalg.solve(a, b), rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(x_t, np.linalg.solve(a.T, b), rtol=1e-12, atol=1e-13)
     scaled = np.stack([a, a * (1 - 0.5j)])
-    xs, _ = jax.vmap(solves, (0, None))(jnp.asarray(scaled), jnp.asarray(b))
+    xs, xs_t = jax.vmap(solves, (0, None))(jnp.asarray(scaled), jnp.asarray(b))
     np.testing.assert_allclose(xs[1], np.linalg.solve(scaled[1], b), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(xs_t[1], np.linalg.solve(scaled[1].T, b), rtol=1e-12, atol=1e-13)
     for krylov in (linear_solve.GMRES(), linear_solve.CG(), linear_solve.Auto()):
         assert not krylov.solves_complex
 

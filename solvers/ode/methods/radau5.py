@@ -112,16 +112,16 @@ def _pair_solver(solver: LinearSolver, jvp, mass, shift_re, shift_im, n: int, dt
 
     A solver that takes complex systems (`LinearSolver.solves_complex`: the direct
     ones) factors the `n x n` complex matrix, with `J` applied to the real and
-    imaginary parts of a vector; one of real systems only solves the equivalent real
-    system on `(n, 2)` arrays (`solver.coupled(2)`), twice the size, and for a band
-    twice the width."""
-    if solver.solves_complex:
-        shift = jax.lax.complex(shift_re, shift_im)
+    imaginary parts of a vector; one of real systems only, or a state of a precision
+    with no complex type (16-bit floats), solves the equivalent real system on `(n, 2)`
+    arrays (`solver.coupled(2)`), twice the size, and for a band twice the width."""
+    if solver.solves_complex and jnp.dtype(dt) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        shift = jax.lax.complex(jnp.asarray(shift_re, dt), jnp.asarray(shift_im, dt))
 
         def matrix(v):
             return shift * mass(v) - jax.lax.complex(jvp(v.real), jvp(v.imag))
 
-        like = jnp.zeros(n, jnp.result_type(dt, jnp.complex64))
+        like = jnp.zeros(n, shift.dtype)
         state = jax.lax.stop_gradient(solver.init(matrix, like))
 
         def solve(b_re, b_im):
