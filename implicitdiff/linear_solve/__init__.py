@@ -12,9 +12,8 @@ Each method is a class, a subclass of `LinearSolver` whose fields are its option
 
 Here `b` is any pytree of real floating-point arrays (the direct solvers' `init`, `solve`
 and `transpose_solve` also take complex ones: `LinearSolver.solves_complex`) and `matvec`
-is a linear JAX function
-mapping pytrees of that structure to the same structure (it may close over arrays, e.g. a
-matrix or the parameters of a Jacobian). Every solver
+is a linear JAX function mapping pytrees of that structure to the same structure (it may
+close over arrays, e.g. a matrix or the parameters of a Jacobian). Every solver
 
 - works under `jax.jit` and `jax.vmap` (over `b` and over anything `matvec` closes over);
 - is differentiable, in forward and reverse mode and to any order, with respect to `b` and
