@@ -104,15 +104,14 @@ SECTIONS: list[tuple[str, str]] = [
     ),
 ]
 
-INTRO = """\
-# Benchmarks
-
-{origin}. `python -m benchmarks.report` builds this page from the files the suite
-wrote under `results/`. Each entry runs in its own process; times are medians of
-repeated calls, compile time is measured apart from run time, and ours and the peers
-run side by side in one process. Each section's first line records the versions, the
-machine and its load during that entry.
-"""
+#: The page's opening paragraph, after the sentence that says where its tables come from.
+INTRO = (
+    "`python -m benchmarks.report` builds this page from the files the suite wrote under "
+    "`results/`. Each entry runs in its own process; times are medians of repeated calls, "
+    "compile time is measured apart from run time, and ours and the peers run side by side "
+    "in one process. Each section's first line records the versions, the machine and its "
+    "load during that entry."
+)
 ONE_RUN = (
     "Every table below comes from one run of `python -m benchmarks` (the README's main "
     "job) on {date}"
@@ -158,9 +157,7 @@ def build(results: pathlib.Path = RESULTS, docs: pathlib.Path = DOCS) -> str:
         origin = SEVERAL_RUNS.format(when=when)
         if suite.exists():
             origin += ". The last run's table lists the entries it ran"
-    intro = INTRO.format(origin=origin).split("\n\n")
-    intro[1] = textwrap.fill(" ".join(intro[1].split()), width=88)
-    parts = ["\n\n".join(intro)]
+    parts = ["# Benchmarks\n\n" + textwrap.fill(f"{origin}. {INTRO}", width=88)]
     if suite.exists():
         title, body = _strip_title(suite.read_text())
         heading = "The run" if one_run else "The last run"
