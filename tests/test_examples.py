@@ -4,6 +4,11 @@ Every `examples/*.py` is picked up automatically. A script must accept `--small`
 (a run of a few seconds) and `--out DIR`, exit with status 0, and save
 `DIR/<script name>.png`. The scripts assert their own correctness claims
 (gradient checks and the like), so a wrong answer fails the test too.
+
+Each script is a fresh process that imports JAX and compiles its solves (15 to 60
+seconds on two cores), so only `MAIN` run with the main suite, one optimisation-layer
+fit and one training loop; the others are `slow` (`pytest -m slow`, a CI step of its
+own).
 """
 
 import os
@@ -15,13 +20,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+#: The examples the main suite runs (the quickest two: an `ArgminLayer` fit and a
+#: neural ODE trained with optax).
+MAIN = {"hyperparameter_argmin", "neural_ode_pendulum"}
 
 
 def test_examples_found():
     assert EXAMPLES, f"no example scripts in {ROOT / 'examples'}"
+    assert MAIN <= {path.stem for path in EXAMPLES}, MAIN
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.stem)
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(path, id=path.stem, marks=[] if path.stem in MAIN else [pytest.mark.slow])
+        for path in EXAMPLES
+    ],
+)
 def test_example_runs(script, tmp_path):
     env = {**os.environ, "MPLBACKEND": "Agg"}
     # The scripts import the packages of this checkout, installed or not.

@@ -134,7 +134,7 @@ def test_vmap_jit_and_per_element_steps(x64, adjoint):
     np.testing.assert_allclose(gv, g, rtol=1e-10)
 
 
-@pytest.mark.parametrize("method", ["rodas5p", "dopri5"])
+@pytest.mark.parametrize("method", [pytest.param("rodas5p", marks=pytest.mark.slow), "dopri5"])
 def test_polynomials_by_chunks_match_every_row_at_once(x64, monkeypatch, method):
     """The polynomials are computed a chunk of steps at a time, the chunks past the
     last step skipped (`solution.POLYNOMIAL_CHUNK`): with chunks of 4 (the 62 rows
@@ -170,7 +170,7 @@ def test_polynomials_by_chunks_match_every_row_at_once(x64, monkeypatch, method)
     np.testing.assert_allclose(grads, -tq * np.exp(-tq * ks), rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["rodas5p", "tsit5"])
+@pytest.mark.parametrize("method", [pytest.param("rodas5p", marks=pytest.mark.slow), "tsit5"])
 def test_rows_by_blocks_match_rows_written_whole(x64, monkeypatch, method):
     """One small solve writes its dense rows (and its record) by blocks of steps
     (`outputs._by_blocks`); forced to write them whole, the same solve gives the same

@@ -120,6 +120,7 @@ class _RealOnly(linear_solve.Banded):
     solves_complex = False
 
 
+@pytest.mark.slow
 def test_complex_pair_solved_either_way_gives_the_same_solution(x64):
     """The complex system of the iteration factored in complex arithmetic (a direct
     solver) and as the real system of twice the size (a solver of real systems only):
