@@ -73,7 +73,12 @@ def odeint(
 
     Arguments:
         func: the vector field `func(y, t, *args)`, returning a pytree like `y`.
-        y0: the initial state, a pytree of floating-point or complex arrays.
+        y0: the initial state, a pytree of floating-point or complex arrays. With
+            complex arrays, the implicit methods integrate their real and imaginary
+            parts as a real system of twice the size (tolerances apply to each part):
+            the Jacobian of a field that is not holomorphic in `y` (one with `|y|` or
+            `conj(y)`) is only real-linear, and the stage solves and the implicit
+            derivatives need the whole of it.
         t: 1-D array of strictly increasing times; `t[0]` is the initial time.
         *args: extra arguments of `func` (differentiated when floating point).
         rtol: relative tolerance of the adaptive methods.
@@ -254,6 +259,8 @@ def odeint(
                 f"{jnp.result_type(leaf)}; pass e.g. `jnp.asarray(y0, float)`"
             )
     y_flat, unravel = ravel_pytree(y0)
+    if m.implicit and jnp.iscomplexobj(y_flat):
+        y_flat, unravel, func, mass_matrix = _real_form(m, y_flat, unravel, func, jac, mass_matrix)
     m = _with_mass_matrix(m, mass_matrix, y_flat.size, adjoint, dense)
     if linear_solver is None and not isinstance(adjoint, BacksolveAdjoint):
         m = _default_stage_solver(
@@ -323,6 +330,47 @@ def odeint(
     if return_info:
         return out, info
     return out
+
+
+def _real_form(method, y_flat, unravel, func, jac, mass_matrix):
+    """A complex state for an implicit method, as the real system of its real and
+    imaginary parts: `(y_flat, unravel, func, mass_matrix)` for the flat real state
+    `[Re y, Im y]`. `unravel` gives back the complex pytree, and `func` takes it and
+    returns the pair `(Re f, Im f)` of pytrees. A field that is not holomorphic
+    (`|y|**2 y`, `conj(y)`) has a Jacobian that is only real-linear: a complex matrix
+    built from its products with the real unit vectors would be wrong, and with it the
+    stage solves and the implicit derivatives."""
+    if jac is not None:
+        raise ValueError(
+            f"odeint: `jac` with a complex state: method={method.name!r} integrates the "
+            "real and imaginary parts as a real system, whose Jacobian a complex matrix "
+            "gives only for a holomorphic field. Leave `jac` out (the Jacobian then comes "
+            "from `func` by automatic differentiation), or pass the state as its real "
+            "and imaginary parts."
+        )
+    if getattr(method, "mass_matrix", None) is not None:
+        raise ValueError(
+            "odeint: a complex state with a `mass_matrix` set on the method object: pass "
+            "the matrix as odeint(mass_matrix=...) instead, which takes it for the "
+            "complex state and applies it to the real and imaginary parts"
+        )
+    n = y_flat.shape[0]
+
+    def unravel_real(v):
+        return unravel(jax.lax.complex(v[:n], v[n:]))
+
+    def func_real(y, t, *args):
+        out = func(y, t, *args)
+        return jax.tree_util.tree_map(jnp.real, out), jax.tree_util.tree_map(jnp.imag, out)
+
+    if mass_matrix is not None and not isinstance(mass_matrix, jax.core.Tracer):
+        mm = np.asarray(mass_matrix)
+        if mm.ndim == 1 and not np.iscomplexobj(mm):
+            mass_matrix = np.concatenate([mm, mm])
+        else:
+            mm = np.diag(mm) if mm.ndim == 1 else mm
+            mass_matrix = np.block([[mm.real, -mm.imag], [mm.imag, mm.real]])
+    return jnp.concatenate([y_flat.real, y_flat.imag]), unravel_real, func_real, mass_matrix
 
 
 def _check_field(out: Any, y_flat: Any) -> None:
