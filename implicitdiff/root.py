@@ -64,7 +64,8 @@ def custom_root(
             and that state serves every derivative solve, transposed ones
             included) or a `custom_linear_solve`. Reverse mode transposes a plain
             function, so it must be linear in `y` and transposable (the
-            `linear_solve` solvers are).
+            `linear_solve` solvers are). The `linear_solve` solvers take real
+            unknowns only: pass complex ones as their real and imaginary parts.
         has_aux: `solve` returns `(root, aux)`; `aux` is returned as well and
             gets no derivative.
 
@@ -95,6 +96,8 @@ def custom_root(
         if not callable(fn):
             raise TypeError(f"custom_root: `{name}` must be callable, got {fn!r}")
 
+    if isinstance(tangent_solve, LinearSolver):
+        _check_real_unknowns(initial_guess)
     f_conv, f_consts, _ = compat.closure_convert(f, initial_guess)
     _check_like_guess("f(initial_guess)", f_conv, f_consts, initial_guess, False)
     s_conv, s_consts, _ = compat.closure_convert(lambda x: solve(f, x), initial_guess)
@@ -134,6 +137,22 @@ def custom_root(
         linear_solver=solver,
         has_aux=bool(has_aux),
     )
+
+
+def _check_real_unknowns(initial_guess: Any) -> None:
+    """The `linear_solve` solvers take the Jacobian of `f` for real unknowns only: for
+    complex ones, the matrix they build from its products with real unit vectors is
+    the Jacobian only when `f` is holomorphic (not with `abs` or `conj`), and the
+    derivatives would be silently wrong otherwise."""
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(initial_guess)):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
+            raise TypeError(
+                f"custom_root: `initial_guess` leaf {i} has dtype {jnp.result_type(leaf)}, "
+                "and `tangent_solve` is a linear_solve solver, which takes real unknowns "
+                "only (for complex ones its matrix is the Jacobian of `f` only where `f` is "
+                "holomorphic). Pass the unknowns as their real and imaginary parts, e.g. "
+                "`(x.real, x.imag)`, with `f` returning its residual's parts likewise."
+            )
 
 
 def _is_static_solver(tangent_solve: Any) -> bool:

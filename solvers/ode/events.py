@@ -30,7 +30,7 @@ from .adjoints import AbstractAdjoint
 from .info import EVENT, MAX_STEPS, SUCCESS, ODEInfo
 from .loop import LoopConfig
 from .methods import AbstractMethod, resolve_method
-from .odeint import odeint, positive
+from .odeint import odeint, positive, real_form
 from .outputs import integrate
 
 __all__ = ["odeint_event"]
@@ -114,8 +114,12 @@ def odeint_event(
     t_max = jnp.asarray(t_max, tdt)
     options = dict(rtol=rtol, atol=atol, mxstep=mxstep, hmax=hmax, method=method, dt=dt)
 
-    # Detection, forward only: closed-over values and inputs enter as constants.
-    f_conv, f_consts, _ = closure_convert(lambda y, t, *a: func(y, t, *a), y0, t0, *args)
+    # Detection, forward only: closed-over values and inputs enter as constants. A
+    # complex state is searched in the real form `odeint` integrates it in.
+    search_func = func
+    if m.implicit and jnp.iscomplexobj(y_flat):
+        y_flat, unravel, search_func, _ = real_form(m, y_flat, unravel, func, None, None)
+    f_conv, f_consts, _ = closure_convert(lambda y, t, *a: search_func(y, t, *a), y0, t0, *args)
     g_conv, g_consts, _ = closure_convert(lambda y, t, *a: event(y, t, *a), y0, t0, *args)
     const = jax.lax.stop_gradient((f_consts, g_consts, args, y_flat, t0, t_max))
     fc, gc, a_sg, y_sg, t0_sg, tmax_sg = const

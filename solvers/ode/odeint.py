@@ -260,7 +260,7 @@ def odeint(
             )
     y_flat, unravel = ravel_pytree(y0)
     if m.implicit and jnp.iscomplexobj(y_flat):
-        y_flat, unravel, func, mass_matrix = _real_form(m, y_flat, unravel, func, jac, mass_matrix)
+        y_flat, unravel, func, mass_matrix = real_form(m, y_flat, unravel, func, jac, mass_matrix)
     m = _with_mass_matrix(m, mass_matrix, y_flat.size, adjoint, dense)
     if linear_solver is None and not isinstance(adjoint, BacksolveAdjoint):
         m = _default_stage_solver(
@@ -332,7 +332,7 @@ def odeint(
     return out
 
 
-def _real_form(method, y_flat, unravel, func, jac, mass_matrix):
+def real_form(method, y_flat, unravel, func, jac, mass_matrix):
     """A complex state for an implicit method, as the real system of its real and
     imaginary parts: `(y_flat, unravel, func, mass_matrix)` for the flat real state
     `[Re y, Im y]`. `unravel` gives back the complex pytree, and `func` takes it and

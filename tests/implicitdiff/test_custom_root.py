@@ -876,3 +876,43 @@ def test_host_callback_solver(x64):
     np.testing.assert_allclose(jax.jit(jax.vmap(sqrt))(a), np.sqrt(a), rtol=1e-12)
     np.testing.assert_allclose(jax.jit(jax.vmap(jax.grad(sqrt)))(a), 0.5 / np.sqrt(a), rtol=1e-12)
     np.testing.assert_allclose(jax.hessian(sqrt)(2.0), -0.25 * 2.0**-1.5, rtol=1e-12)
+
+
+def test_complex_unknowns_with_a_linear_solve_solver(x64):
+    """A `linear_solve` solver builds the Jacobian from products with real unit vectors,
+    which for complex unknowns is the Jacobian only where `f` is holomorphic: complex
+    unknowns with one are refused (before, `x + 0.3 conj(x) = a c` got a wrong
+    gradient from `Dense`). As real and imaginary parts, the root and its derivative
+    are the closed forms `Re x = a Re c / 1.3`, `Im x = a Im c / 0.7`."""
+    from implicitdiff import linear_solve
+
+    c = jnp.array([1.0 + 2.0j, -0.5 + 0.3j])
+
+    def complex_root(a):
+        f = lambda x: x + 0.3 * jnp.conj(x) - a * c  # noqa: E731
+        solve = lambda f, x: x - jnp.real(f(x)) / 1.3 - 1j * jnp.imag(f(x)) / 0.7  # noqa: E731
+        # (exact in one step: the equations are linear in the real and imaginary parts)
+        return custom_root(f, jnp.zeros(2, complex), solve, linear_solve.Dense())
+
+    with pytest.raises(TypeError, match="takes real unknowns only"):
+        complex_root(0.8)
+
+    def parts_root(a):
+        def f(x):
+            u, v = x
+            return u * 1.3 - a * jnp.real(c), v * 0.7 - a * jnp.imag(c)
+
+        def solve(f, x):
+            u, v = x
+            ru, rv = f(x)
+            return u - ru / 1.3, v - rv / 0.7
+
+        zero = jnp.zeros(2)
+        return custom_root(f, (zero, zero), solve, linear_solve.Dense())
+
+    u, v = parts_root(0.8)
+    np.testing.assert_allclose(u + 1j * v, 0.8 * (jnp.real(c) / 1.3 + 1j * jnp.imag(c) / 0.7))
+    du, dv = jax.jacfwd(parts_root)(0.8)
+    np.testing.assert_allclose(du + 1j * dv, jnp.real(c) / 1.3 + 1j * jnp.imag(c) / 0.7)
+    gu = jax.grad(lambda a: jnp.sum(parts_root(a)[0] + 2 * parts_root(a)[1]))(0.8)
+    np.testing.assert_allclose(gu, jnp.sum(jnp.real(c) / 1.3 + 2 * jnp.imag(c) / 0.7))

@@ -112,3 +112,38 @@ def test_complex_state_with_jac_is_refused(x64):
     with pytest.raises(ValueError, match="`jac` with a complex state"):
         odeint(lambda y, t: -y, jnp.asarray(Y0), jnp.array([0.0, 1.0]), method="kvaerno5",
                jac=lambda y, t: -jnp.eye(2))  # fmt: skip
+
+
+def _reference_event(a):
+    """The first time `Re y_0 = 0.2`, by SciPy on the real form at `rtol = 1e-12`."""
+
+    def rhs(t, u):
+        f = _field(u[:2] + 1j * u[2:], t, a, np)
+        return np.concatenate([f.real, f.imag])
+
+    def crossing(t, u):
+        return u[0] - 0.2
+
+    crossing.terminal = True
+    u0 = np.concatenate([Y0.real, Y0.imag])
+    out = solve_ivp(rhs, (0.0, 20.0), u0, method="DOP853", rtol=1e-12, atol=1e-14, events=crossing)
+    return float(out.t_events[0][0])
+
+
+@pytest.mark.parametrize("method", ["bdf", pytest.param("radau5", marks=pytest.mark.slow)])
+def test_event_time_and_its_derivative(x64, method):
+    """`odeint_event` searches a complex state in the same real form: the event time and
+    its derivative against SciPy's and its central differences."""
+    from solvers import odeint_event
+
+    def crossing(y, t, a):
+        return jnp.real(y[0]) - 0.2
+
+    def t_event(a):
+        return odeint_event(_field, crossing, jnp.asarray(Y0), 0.0, 20.0, a, method=method,
+                            rtol=1e-10, atol=1e-12)[0]  # fmt: skip
+
+    a, eps = 0.7, 1e-5
+    fd = (_reference_event(a + eps) - _reference_event(a - eps)) / (2 * eps)
+    np.testing.assert_allclose(float(jax.jit(t_event)(a)), _reference_event(a), rtol=1e-8)
+    np.testing.assert_allclose(float(jax.jit(jax.grad(t_event))(a)), fd, rtol=1e-6)
