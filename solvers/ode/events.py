@@ -61,7 +61,8 @@ def odeint_event(
         func: the vector field `func(y, t, *args)`.
         event: the event function `event(y, t, *args) -> scalar`; the solve stops at
             its first sign change after `t0`.
-        y0: the initial state (a pytree of floating-point arrays).
+        y0: the initial state (a pytree of floating-point or complex arrays, as
+            `odeint` takes it).
         t0: the initial time.
         t_max: the latest time searched.
         *args: extra arguments of `func` and `event`.
@@ -118,7 +119,7 @@ def odeint_event(
     # complex state is searched in the real form `odeint` integrates it in.
     search_func = func
     if m.implicit and jnp.iscomplexobj(y_flat):
-        y_flat, unravel, search_func, _ = real_form(m, y_flat, unravel, func, None, None)
+        y_flat, unravel, search_func, _ = real_form(name, m, y_flat, unravel, func, None, None)
     f_conv, f_consts, _ = closure_convert(lambda y, t, *a: search_func(y, t, *a), y0, t0, *args)
     g_conv, g_consts, _ = closure_convert(lambda y, t, *a: event(y, t, *a), y0, t0, *args)
     const = jax.lax.stop_gradient((f_consts, g_consts, args, y_flat, t0, t_max))

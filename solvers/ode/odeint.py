@@ -106,7 +106,9 @@ def odeint(
             the computed solution, replaying the recorded steps from checkpoints;
             usually faster; once in reverse mode, any order in forward mode). The
             default (`None`) is `"backsolve"` for the explicit methods, as
-            `jax.experimental.ode.odeint`, and `"checkpoint"` for the implicit ones:
+            `jax.experimental.ode.odeint` (`"checkpoint"` with complex parameters
+            and a real state, which `"backsolve"` refuses: its adjoint ODE has no
+            room for their imaginary parts), and `"checkpoint"` for the implicit ones:
             the state of a stiff problem cannot be integrated backwards (its decaying
             modes grow), and `"backsolve"` raises an error when the state it
             integrates backwards strays from the forward solution (by more than 1000
@@ -165,7 +167,8 @@ def odeint(
             (1000) states (and with `jac` given).
         mass_matrix: the constant matrix `M` of a differential-algebraic system `M
             y' = func(y, t, *args)`, `(n, n)` or its diagonal `(n,)` on the flattened
-            state (as `jac`), a concrete array. A singular `M` makes algebraic
+            state (as `jac`), a concrete array (complex allowed for a complex
+            state, whose real and imaginary parts it couples). A singular `M` makes algebraic
             equations: `0 = func_i` for a zero row `i`, `L func = 0` for the left null
             vectors `L` of a full `M`. The system must be of index 1 (the algebraic
             equations determine the unknowns along `M`'s null space). For `"radau5"`,
@@ -224,6 +227,7 @@ def odeint(
     m = _with_linear_solver(m, linear_solver)
     if jac is not None and not callable(jac):
         raise TypeError(f"odeint: `jac` must be callable as jac(y, t, *args), got {jac!r}")
+    adjoint_given = adjoint
     adjoint = resolve_adjoint(name, adjoint, m, max_steps)
     if isinstance(adjoint, BacksolveAdjoint) and getattr(
         getattr(m, "linear_solver", None), "layout_bound", False
@@ -260,7 +264,9 @@ def odeint(
             )
     y_flat, unravel = ravel_pytree(y0)
     if m.implicit and jnp.iscomplexobj(y_flat):
-        y_flat, unravel, func, mass_matrix = real_form(m, y_flat, unravel, func, jac, mass_matrix)
+        y_flat, unravel, func, mass_matrix = real_form(
+            name, m, y_flat, unravel, func, jac, mass_matrix
+        )
     m = _with_mass_matrix(m, mass_matrix, y_flat.size, adjoint, dense)
     if linear_solver is None and not isinstance(adjoint, BacksolveAdjoint):
         m = _default_stage_solver(
@@ -302,6 +308,19 @@ def odeint(
     is_diff = tuple(jnp.issubdtype(p.dtype, jnp.inexact) for p in params)
     pd = tuple(p for p, d in zip(params, is_diff) if d)
     pn = tuple(p for p, d in zip(params, is_diff) if not d)
+    complex_params = not jnp.iscomplexobj(y_flat) and any(jnp.iscomplexobj(p) for p in pd)
+    if complex_params and isinstance(adjoint, BacksolveAdjoint):
+        if adjoint_given is not None:
+            raise ValueError(
+                "odeint: adjoint='backsolve' with complex differentiated parameters (in "
+                "`args` or closed over by `func`) and a real state (or a complex one that "
+                "an implicit method integrates as its real and imaginary parts): the "
+                "adjoint ODE carries the parameters' adjoint in the state's real dtype, "
+                "which has no room for its imaginary part. Use adjoint='checkpoint', or "
+                "pass the parameters as their real and imaginary parts."
+            )
+        # The method's default cannot take them; the checkpointed adjoint can.
+        adjoint = resolve_adjoint(name, "checkpoint", m, max_steps)
     field = FlatField(f_conv, unravel, ptree, is_diff, y_flat.dtype, jac_conv)
     loop = LoopConfig(
         method=m,
@@ -332,7 +351,7 @@ def odeint(
     return out
 
 
-def real_form(method, y_flat, unravel, func, jac, mass_matrix):
+def real_form(name, method, y_flat, unravel, func, jac, mass_matrix):
     """A complex state for an implicit method, as the real system of its real and
     imaginary parts: `(y_flat, unravel, func, mass_matrix)` for the flat real state
     `[Re y, Im y]`. `unravel` gives back the complex pytree, and `func` takes it and
@@ -342,7 +361,7 @@ def real_form(method, y_flat, unravel, func, jac, mass_matrix):
     stage solves and the implicit derivatives."""
     if jac is not None:
         raise ValueError(
-            f"odeint: `jac` with a complex state: method={method.name!r} integrates the "
+            f"{name}: `jac` with a complex state: method={method.name!r} integrates the "
             "real and imaginary parts as a real system, whose Jacobian a complex matrix "
             "gives only for a holomorphic field. Leave `jac` out (the Jacobian then comes "
             "from `func` by automatic differentiation), or pass the state as its real "
@@ -350,11 +369,21 @@ def real_form(method, y_flat, unravel, func, jac, mass_matrix):
         )
     if getattr(method, "mass_matrix", None) is not None:
         raise ValueError(
-            "odeint: a complex state with a `mass_matrix` set on the method object: pass "
+            f"{name}: a complex state with a `mass_matrix` set on the method object: pass "
             "the matrix as odeint(mass_matrix=...) instead, which takes it for the "
             "complex state and applies it to the real and imaginary parts"
         )
     n = y_flat.shape[0]
+    solver = getattr(method, "linear_solver", None)
+    if getattr(solver, "layout_bound", False):
+        raise ValueError(
+            f"{name}: linear_solver={type(solver).__name__}(...) with a complex state: "
+            f"method={method.name!r} integrates the real and imaginary parts as a real "
+            f"system of {2 * n} unknowns, which the band or pattern given for the {n} "
+            "complex ones does not describe. Leave `linear_solver` out (above 100 states "
+            "the default traces the real system's pattern), or pass the state as its real "
+            "and imaginary parts with a band or pattern for them."
+        )
 
     def unravel_real(v):
         return unravel(jax.lax.complex(v[:n], v[n:]))
@@ -365,6 +394,11 @@ def real_form(method, y_flat, unravel, func, jac, mass_matrix):
 
     if mass_matrix is not None and not isinstance(mass_matrix, jax.core.Tracer):
         mm = np.asarray(mass_matrix)
+        if mm.shape not in ((n,), (n, n)):
+            raise ValueError(
+                f"{name}: `mass_matrix` must be ({n}, {n}) or its diagonal ({n},) for the "
+                f"{n} unknowns of the complex state, got shape {mm.shape}"
+            )
         if mm.ndim == 1 and not np.iscomplexobj(mm):
             mass_matrix = np.concatenate([mm, mm])
         else:
