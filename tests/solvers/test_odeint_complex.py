@@ -36,16 +36,22 @@ def _loss_of(y1, xp=jnp):
     return xp.sum(xp.real(y1) ** 2 + 3 * xp.imag(y1))
 
 
-def _reference(a):
-    """`loss(y(T1))` by SciPy on the real form, at `rtol = 1e-12`."""
+def _real_rhs(a):
+    """`_field` on the real form `[Re y, Im y]`, for SciPy."""
 
     def rhs(t, u):
-        y = u[:2] + 1j * u[2:]
-        f = _field(y, t, a, np)
+        f = _field(u[:2] + 1j * u[2:], t, a, np)
         return np.concatenate([f.real, f.imag])
 
-    u0 = np.concatenate([Y0.real, Y0.imag])
-    u1 = solve_ivp(rhs, (0.0, T1), u0, method="DOP853", rtol=1e-12, atol=1e-14).y[:, -1]
+    return rhs
+
+
+U0 = np.concatenate([Y0.real, Y0.imag])
+
+
+def _reference(a):
+    """`loss(y(T1))` by SciPy on the real form, at `rtol = 1e-12`."""
+    u1 = solve_ivp(_real_rhs(a), (0.0, T1), U0, method="DOP853", rtol=1e-12, atol=1e-14).y[:, -1]
     return float(_loss_of(u1[:2] + 1j * u1[2:], np))
 
 
@@ -119,16 +125,13 @@ def test_complex_state_with_jac_is_refused(x64):
 def _reference_event(a):
     """The first time `Re y_0 = 0.2`, by SciPy on the real form at `rtol = 1e-12`."""
 
-    def rhs(t, u):
-        f = _field(u[:2] + 1j * u[2:], t, a, np)
-        return np.concatenate([f.real, f.imag])
-
     def crossing(t, u):
         return u[0] - 0.2
 
     crossing.terminal = True
-    u0 = np.concatenate([Y0.real, Y0.imag])
-    out = solve_ivp(rhs, (0.0, 20.0), u0, method="DOP853", rtol=1e-12, atol=1e-14, events=crossing)
+    out = solve_ivp(
+        _real_rhs(a), (0.0, 20.0), U0, method="DOP853", rtol=1e-12, atol=1e-14, events=crossing
+    )
     return float(out.t_events[0][0])
 
 
