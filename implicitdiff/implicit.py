@@ -21,7 +21,8 @@ import jax
 from . import linear_solve
 from ._checks import find_mismatch
 from ._trees import describe
-from .root import custom_root
+from .linear_solve import LinearSolver
+from .root import _check_real_unknowns, custom_root
 
 __all__ = ["implicit_diff"]
 
@@ -114,6 +115,8 @@ def implicit_diff(
                         f"(the solution), but they do not: {e}"
                     ) from None
             _check_shapes(optimality_fun, solver, name, init, args, kwargs, has_aux)
+            if isinstance(tangent_solve, LinearSolver):
+                _check_real_unknowns(init, "implicit_diff", ("init", "solve", "optimality_fun"))
 
             def residual(x):
                 return optimality_fun(x, *args, **kwargs)

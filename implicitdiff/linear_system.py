@@ -51,7 +51,10 @@ def custom_linear_solve(
 
     Arguments:
         matvec: the linear function `A`, mapping a pytree shaped like `b` to one
-            of the same structure, shapes and dtypes.
+            of the same structure, shapes and dtypes. For complex arrays it must be
+            linear over the complex numbers (no `conj`, `real` or `abs` of `x`), as
+            `jax.lax.custom_linear_solve` assumes; a map that is only real-linear is
+            written on the real and imaginary parts instead.
         b: the right-hand side, a pytree of floating-point arrays.
         solve: `solve(matvec, b) -> x` (or `(x, aux)` when `has_aux`), any
             procedure that returns `A^{-1} b`.

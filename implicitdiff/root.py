@@ -139,19 +139,25 @@ def custom_root(
     )
 
 
-def _check_real_unknowns(initial_guess: Any) -> None:
+def _check_real_unknowns(
+    initial_guess: Any,
+    name: str = "custom_root",
+    args: tuple[str, str, str] = ("initial_guess", "tangent_solve", "f"),
+) -> None:
     """The `linear_solve` solvers take the Jacobian of `f` for real unknowns only: for
     complex ones, the matrix they build from its products with real unit vectors is
     the Jacobian only when `f` is holomorphic (not with `abs` or `conj`), and the
-    derivatives would be silently wrong otherwise."""
+    derivatives would be silently wrong otherwise. `name` and `args` (the guess, the
+    solver and the residual as the caller's arguments) word the message."""
+    guess, solver, f = args
     for i, leaf in enumerate(jax.tree_util.tree_leaves(initial_guess)):
         if jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
             raise TypeError(
-                f"custom_root: `initial_guess` leaf {i} has dtype {jnp.result_type(leaf)}, "
-                "and `tangent_solve` is a linear_solve solver, which takes real unknowns "
-                "only (for complex ones its matrix is the Jacobian of `f` only where `f` is "
+                f"{name}: `{guess}` leaf {i} has dtype {jnp.result_type(leaf)}, and "
+                f"`{solver}` is a linear_solve solver, which takes real unknowns only (for "
+                f"complex ones its matrix is the Jacobian of `{f}` only where `{f}` is "
                 "holomorphic). Pass the unknowns as their real and imaginary parts, e.g. "
-                "`(x.real, x.imag)`, with `f` returning its residual's parts likewise."
+                f"`(x.real, x.imag)`, with `{f}` returning its residual's parts likewise."
             )
 
 

@@ -208,6 +208,13 @@ def solve_bvp(
         raise ValueError(
             f"solve_bvp: `y` must be (n, {m0}), one column per node of `x`, got {y.shape}"
         )
+    for arg, value in (("y", y), ("p", p)):
+        if value is not None and jnp.iscomplexobj(value):
+            raise TypeError(
+                f"solve_bvp: `{arg}` is complex; the collocation equations are solved "
+                "for real unknowns. Write the problem for the real and imaginary parts "
+                "stacked as real components (twice the rows of `y`)."
+            )
     if not jnp.issubdtype(y.dtype, jnp.floating):
         y = y.astype(jnp.result_type(float))
     dtype = y.dtype

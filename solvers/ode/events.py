@@ -119,7 +119,7 @@ def odeint_event(
     # complex state is searched in the real form `odeint` integrates it in.
     search_func = func
     if m.implicit and jnp.iscomplexobj(y_flat):
-        y_flat, unravel, search_func, _ = real_form(name, m, y_flat, unravel, func, None, None)
+        y_flat, unravel, search_func, _ = real_form(name, m, y0, y_flat, unravel, func, None, None)
     f_conv, f_consts, _ = closure_convert(lambda y, t, *a: search_func(y, t, *a), y0, t0, *args)
     g_conv, g_consts, _ = closure_convert(lambda y, t, *a: event(y, t, *a), y0, t0, *args)
     const = jax.lax.stop_gradient((f_consts, g_consts, args, y_flat, t0, t_max))

@@ -75,7 +75,8 @@ def odeint(
         func: the vector field `func(y, t, *args)`, returning a pytree like `y`.
         y0: the initial state, a pytree of floating-point or complex arrays. With
             complex arrays, the implicit methods integrate their real and imaginary
-            parts as a real system of twice the size (tolerances apply to each part):
+            parts as a real system of twice the size (tolerances apply to each part;
+            a real leaf beside complex ones keeps a real part only):
             the Jacobian of a field that is not holomorphic in `y` (one with `|y|` or
             `conj(y)`) is only real-linear, and the stage solves and the implicit
             derivatives need the whole of it.
@@ -265,7 +266,7 @@ def odeint(
     y_flat, unravel = ravel_pytree(y0)
     if m.implicit and jnp.iscomplexobj(y_flat):
         y_flat, unravel, func, mass_matrix = real_form(
-            name, m, y_flat, unravel, func, jac, mass_matrix
+            name, m, y0, y_flat, unravel, func, jac, mass_matrix
         )
     m = _with_mass_matrix(m, mass_matrix, y_flat.size, adjoint, dense)
     if linear_solver is None and not isinstance(adjoint, BacksolveAdjoint):
@@ -351,14 +352,15 @@ def odeint(
     return out
 
 
-def real_form(name, method, y_flat, unravel, func, jac, mass_matrix):
+def real_form(name, method, y0, y_flat, unravel, func, jac, mass_matrix):
     """A complex state for an implicit method, as the real system of its real and
     imaginary parts: `(y_flat, unravel, func, mass_matrix)` for the flat real state
-    `[Re y, Im y]`. `unravel` gives back the complex pytree, and `func` takes it and
-    returns the pair `(Re f, Im f)` of pytrees. A field that is not holomorphic
-    (`|y|**2 y`, `conj(y)`) has a Jacobian that is only real-linear: a complex matrix
-    built from its products with the real unit vectors would be wrong, and with it the
-    stage solves and the implicit derivatives."""
+    `[Re y, Im y]`, where `Im y` holds the entries of the complex leaves of `y0` only (a
+    real leaf of a mixed pytree has no imaginary part to integrate). `unravel` gives
+    back the complex pytree, and `func` takes it and returns `(Re f, Im f)` in the same
+    layout. A field that is not holomorphic (`|y|**2 y`, `conj(y)`) has a Jacobian that
+    is only real-linear: a complex matrix built from its products with the real unit
+    vectors would be wrong, and with it the stage solves and the implicit derivatives."""
     if jac is not None:
         raise ValueError(
             f"{name}: `jac` with a complex state: method={method.name!r} integrates the "
@@ -374,23 +376,34 @@ def real_form(name, method, y_flat, unravel, func, jac, mass_matrix):
             "complex state and applies it to the real and imaginary parts"
         )
     n = y_flat.shape[0]
+    # Which flat entries belong to complex leaves: those have an imaginary part.
+    leaves = jax.tree_util.tree_leaves(y0)
+    is_complex = np.concatenate(
+        [np.full(np.size(x), jnp.iscomplexobj(x), dtype=bool) for x in leaves]
+    )
+    imag_rows = None if is_complex.all() else np.flatnonzero(is_complex)
+    size = n + int(is_complex.sum())
     solver = getattr(method, "linear_solver", None)
     if getattr(solver, "layout_bound", False):
         raise ValueError(
             f"{name}: linear_solver={type(solver).__name__}(...) with a complex state: "
             f"method={method.name!r} integrates the real and imaginary parts as a real "
-            f"system of {2 * n} unknowns, which the band or pattern given for the {n} "
+            f"system of {size} unknowns, which the band or pattern given for the {n} "
             "complex ones does not describe. Leave `linear_solver` out (above 100 states "
             "the default traces the real system's pattern), or pass the state as its real "
             "and imaginary parts with a band or pattern for them."
         )
 
+    def imag_part(v):
+        return v.imag if imag_rows is None else v.imag[imag_rows]
+
     def unravel_real(v):
-        return unravel(jax.lax.complex(v[:n], v[n:]))
+        im = v[n:] if imag_rows is None else jnp.zeros(n, v.dtype).at[imag_rows].set(v[n:])
+        return unravel(jax.lax.complex(v[:n], im))
 
     def func_real(y, t, *args):
         out = func(y, t, *args)
-        return jax.tree_util.tree_map(jnp.real, out), jax.tree_util.tree_map(jnp.imag, out)
+        return jax.tree_util.tree_map(jnp.real, out), imag_part(ravel_pytree(out)[0])
 
     if mass_matrix is not None and not isinstance(mass_matrix, jax.core.Tracer):
         mm = np.asarray(mass_matrix)
@@ -399,12 +412,15 @@ def real_form(name, method, y_flat, unravel, func, jac, mass_matrix):
                 f"{name}: `mass_matrix` must be ({n}, {n}) or its diagonal ({n},) for the "
                 f"{n} unknowns of the complex state, got shape {mm.shape}"
             )
+        rows = slice(None) if imag_rows is None else imag_rows
         if mm.ndim == 1 and not np.iscomplexobj(mm):
-            mass_matrix = np.concatenate([mm, mm])
+            mass_matrix = np.concatenate([mm, mm[rows]])
         else:
             mm = np.diag(mm) if mm.ndim == 1 else mm
-            mass_matrix = np.block([[mm.real, -mm.imag], [mm.imag, mm.real]])
-    return jnp.concatenate([y_flat.real, y_flat.imag]), unravel_real, func_real, mass_matrix
+            mass_matrix = np.block(
+                [[mm.real, -mm.imag[:, rows]], [mm.imag[rows], mm.real[rows][:, rows]]]
+            )
+    return jnp.concatenate([y_flat.real, imag_part(y_flat)]), unravel_real, func_real, mass_matrix
 
 
 def _check_field(out: Any, y_flat: Any) -> None:

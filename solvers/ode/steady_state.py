@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from implicitdiff import error_if
 
-from .._checks import not_in_checked_shard_map, static_bool, status_returned
+from .._checks import float_dtype, not_in_checked_shard_map, static_bool, status_returned
 from .._info import DT_UNDERFLOW, MAX_STEPS, NONFINITE, STATUS_NAMES, SUCCESS, max_norm
 from ..root import root
 from .methods import AbstractMethod
@@ -90,6 +90,8 @@ def steady_state(
     not_in_checked_shard_map(name)
     static_bool(name, "return_info", return_info)
     status_returned(name, throw, return_info)
+    # The root solve takes real unknowns (complex ones as their real and imaginary parts).
+    float_dtype(name, "y0", y0)
 
     def field(y, *a):
         return func(y, t0, *a)

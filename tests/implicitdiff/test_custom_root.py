@@ -894,8 +894,18 @@ def test_complex_unknowns_with_a_linear_solve_solver(x64):
         # (exact in one step: the equations are linear in the real and imaginary parts)
         return custom_root(f, jnp.zeros(2, complex), solve, linear_solve.Dense())
 
-    with pytest.raises(TypeError, match="takes real unknowns only"):
+    with pytest.raises(TypeError, match=r"custom_root: `initial_guess` leaf 0 .* real unknowns"):
         complex_root(0.8)
+
+    # `implicit_diff` refuses them in its own terms.
+    from implicitdiff import implicit_diff
+
+    @implicit_diff(lambda x, a: x + 0.3 * jnp.conj(x) - a * c)
+    def solver(init, a):
+        return a * (jnp.real(c) / 1.3 + 1j * jnp.imag(c) / 0.7)
+
+    with pytest.raises(TypeError, match="implicit_diff: `init` leaf 0 .* `solve` is a linear"):
+        solver(jnp.zeros(2, complex), 0.8)
 
     def parts_root(a):
         def f(x):

@@ -170,6 +170,11 @@ def test_bad_input():
                   np.zeros((2, 5)), p=np.array([6.0]))  # fmt: skip
     with pytest.raises(ValueError, match="max_nodes"):
         solve_bvp(fun, bc, x, np.zeros((2, 5)), max_nodes=3)
+    # A complex guess is refused, not cast to its real part.
+    with pytest.raises(TypeError, match="`y` is complex"):
+        solve_bvp(fun, bc, x, np.zeros((2, 5), complex))
+    with pytest.raises(TypeError, match="`p` is complex"):
+        solve_bvp(eigen_fun(1.0), eigen_bc, x, np.zeros((2, 5)), p=np.array([6.0 + 0j]))
 
 
 def test_shooting_matches_scipy_and_its_derivatives_the_closed_form(x64):

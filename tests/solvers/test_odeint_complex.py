@@ -114,6 +114,38 @@ def test_mass_matrix_applies_to_both_parts(x64):
     np.testing.assert_allclose(ys[-1], Y0 * np.exp(np.asarray(lam) / np.diag(m)), rtol=1e-8)
 
 
+@pytest.mark.parametrize("method", ["radau5", "bdf", "rodas5p"])
+def test_mixed_state_with_a_real_algebraic_unknown(x64, method):
+    """`y' = a y + z`, `0 = z - cos t` with a complex `y` and a real `z`: only the complex
+    leaf gets an imaginary part to integrate (one for `z` would be an equation `0 = 0`,
+    a singular stage matrix). The solution and the gradient of `|y(1)|^2` in `s` (with
+    `a = s (-2 + 3i)`) against the closed form `y = e^(a t) (y0 - p(0)) + p(t)`,
+    `p = (sin t - a cos t) / (a^2 + 1)`."""
+    ts = jnp.array([0.0, 0.5, 1.0])
+    mass = np.diag([1.0, 0.0])
+    y0 = {"y": jnp.array([1.0 + 0.5j]), "z": jnp.array([1.0])}
+
+    def field(u, t, s):
+        a = s * (-2.0 + 3.0j)
+        return {"y": a * u["y"] + u["z"], "z": u["z"] - jnp.cos(t)}
+
+    def exact(s):
+        a = s * (-2.0 + 3.0j)
+        p = lambda t: (jnp.sin(t) - a * jnp.cos(t)) / (a**2 + 1)  # noqa: E731
+        return jnp.exp(a * ts) * (y0["y"][0] - p(0.0)) + p(ts)
+
+    def solve(s):
+        return odeint(field, y0, ts, s, method=method, mass_matrix=mass, rtol=1e-10, atol=1e-12)
+
+    ys = solve(1.0)
+    assert ys["y"].dtype == jnp.complex128 and ys["z"].dtype == jnp.float64
+    np.testing.assert_allclose(ys["y"][:, 0], exact(1.0), rtol=1e-7)
+    np.testing.assert_allclose(ys["z"][:, 0], np.cos(np.asarray(ts)), rtol=1e-9)
+    g = jax.grad(lambda s: jnp.abs(solve(s)["y"][-1, 0]) ** 2)(1.0)
+    g_x = jax.grad(lambda s: jnp.abs(exact(s)[-1]) ** 2)(1.0)
+    np.testing.assert_allclose(g, g_x, rtol=1e-6)
+
+
 def test_complex_state_with_jac_is_refused(x64):
     """A complex matrix stands for the Jacobian of the real form only when the field is
     holomorphic, so `jac` with a complex state is an error naming it."""

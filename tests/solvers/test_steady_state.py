@@ -47,6 +47,12 @@ def test_a_state_with_several_leaves():
     np.testing.assert_allclose(y["b"], 3.0, rtol=1e-6)
 
 
+def test_complex_state_is_refused_in_its_own_terms():
+    """The root solve takes real unknowns: a complex `y0` is an error naming `y0`."""
+    with pytest.raises(TypeError, match=r"steady_state: `y0` leaf 0 has dtype complex"):
+        steady_state(lambda y, t: 1.0 - y, jnp.array([1.0 + 1.0j]))
+
+
 def test_throw_false_needs_return_info():
     """Without the run-time check and without the status, nothing would show a failure."""
     match = r"steady_state: `throw=False`.*`return_info=True`"
