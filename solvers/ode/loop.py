@@ -32,6 +32,7 @@ from implicitdiff.internal import any_over_batch, vmap_size
 
 from . import controller, progress
 from .blocks import block_size, is_rows
+from .controller import ERR_ACC_MIN
 from .info import DT_UNDERFLOW, EVENT, MAX_STEPS, NONFINITE, SUCCESS
 from .methods import AbstractMethod, StageTolerance, select
 from .state import RecordBuffers, StepState
@@ -221,13 +222,15 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
         )
         good = ok & finite & jnp.isfinite(ratio)
         accept = good & (ratio <= 1.0)
-        h_new = method.next_size(h_step, ratio, good, accept, jax.lax.stop_gradient(k1))
+        before = (s.h_acc, s.err_acc, s.acc >= 1)
+        h_new = method.next_size(h_step, ratio, good, accept, jax.lax.stop_gradient(k1), before)
         # A step shortened to hit an output says little about the step size.
         h_new = jnp.where(accept & last, jnp.maximum(h_new, h), h_new)
         h_new = jnp.minimum(h_new, cfg.hmax)
     else:
         accept = finite
         h_new = h
+        ratio = jnp.zeros((), tdt)
     accept = accept & live
     h_new = jax.lax.stop_gradient(jnp.where(live, h_new, h).astype(tdt))
     tries = s.tries + live.astype(s.tries.dtype)
@@ -261,6 +264,8 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
         failed=s.failed + (live & ~ok).astype(jnp.int32),
         jacobians=s.jacobians + live.astype(jnp.int32) * jnp.asarray(jac_work, jnp.int32),
         factorisations=s.factorisations + live.astype(jnp.int32) * jnp.asarray(lu_work, jnp.int32),
+        h_acc=jax.lax.stop_gradient(jnp.where(accept, h_step, s.h_acc).astype(tdt)),
+        err_acc=jnp.where(accept, jnp.maximum(ratio, ERR_ACC_MIN), s.err_acc).astype(tdt),
         tries=tries,
         status=status.astype(jnp.int32),
         g=g,
@@ -357,6 +362,8 @@ def initial_state(
         status=status0,
         jacobians=zero,
         factorisations=zero,
+        h_acc=h0,
+        err_acc=jnp.ones((), tdt),
         g=g0,
     )
     rec = None

@@ -26,6 +26,9 @@ class StepState(eqx.Module):
         tries: attempts since the last output time (for `mxstep`).
         jacobians: Jacobians the attempts evaluated.
         factorisations: stage-matrix factorisations the attempts made.
+        h_acc: the size of the latest accepted step (the step-size controller's
+            memory, see `solvers.ode.controller`).
+        err_acc: its error in units of the tolerance, at least `ERR_ACC_MIN`.
         status: the status code (`solvers.ode.info`).
         g: the sign of the event function at `(t, y)` (an event search), else `None`.
     """
@@ -41,6 +44,8 @@ class StepState(eqx.Module):
     status: Int[Array, ...]
     jacobians: Int[Array, ...]
     factorisations: Int[Array, ...]
+    h_acc: Float[Array, ...]
+    err_acc: Float[Array, ...]
     g: Array | None = None
 
 

@@ -270,9 +270,13 @@ class AbstractMethod(abc.ABC):
         del carry1
         return self.jacobians_per_step, self.factorisations_per_step
 
-    def next_size(self, h_step, ratio, good, accept, carry1):
+    def next_size(self, h_step, ratio, good, accept, carry1, last):
         """The next step size after an attempt of size `h_step` with error `ratio`
         (in units of the tolerance; `good`: the step computed finite values and its
-        stage solves converged), `carry1` the attempt's carry. By default the
-        controller of `solvers.ode.controller` with the method's `order`."""
-        return controller.next_size(h_step, ratio, good, accept, self.order)
+        stage solves converged), `carry1` the attempt's carry, `last = (h_acc,
+        err_acc, any)` the accepted step before it (see `solvers.ode.controller`). By
+        default the controller of `solvers.ode.controller` with the method's `order`,
+        predictive for an implicit method."""
+        return controller.next_size(
+            h_step, ratio, good, accept, self.order, last if self.implicit else None
+        )

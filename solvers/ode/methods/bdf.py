@@ -218,7 +218,9 @@ class BDF(AbstractMethod):
     def attempt_work(self, carry1: BDFCarry):
         return carry1.memory.work, carry1.memory.work
 
-    def next_size(self, h_step, ratio, good, accept, carry1: BDFCarry):
+    def next_size(self, h_step, ratio, good, accept, carry1: BDFCarry, last):
+        # The order and size were chosen in the step (`BDFMemory.grow`).
+        del last
         mem = carry1.memory
         safe = jnp.where(good, ratio, jnp.inf)
         shrink = jnp.maximum(_SHRINK_MIN, mem.safety * safe ** (-1.0 / (mem.order_used + 1)))
