@@ -39,3 +39,35 @@ def _release_compiled_programs():
     """
     yield
     jax.clear_caches()
+
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+# Half the kernel's limit: a test compiles far fewer programs than that.
+_MAPPINGS_MAX = _map_limit() // 2
+
+
+def _mappings() -> int:
+    """The memory mappings this process holds (0 where /proc is not there to tell)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_when_many():
+    """The same within a module: drop JAX's caches after a test that leaves the process
+    holding more than half of `vm.max_map_count` mappings. A large module of slow tests
+    (the ODE methods times the adjoints) compiles enough on one worker to reach the
+    limit, and the compiler then crashes with a segmentation fault."""
+    yield
+    if _mappings() > _MAPPINGS_MAX:
+        jax.clear_caches()
