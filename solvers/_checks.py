@@ -109,6 +109,12 @@ def float_dtype(name: str, arg: str, tree: Any) -> np.dtype:
     dtypes = set()
     for i, leaf in enumerate(leaves):
         dt = jnp.result_type(leaf)
+        if jnp.issubdtype(dt, jnp.complexfloating):
+            raise TypeError(
+                f"{name}: `{arg}` leaf {i} has dtype {dt}; the solver takes real unknowns: "
+                "pass a complex one as its real and imaginary parts, e.g. `(x.real, "
+                "x.imag)`, with the function returning its parts likewise"
+            )
         if not jnp.issubdtype(dt, jnp.floating):
             raise TypeError(
                 f"{name}: `{arg}` leaf {i} has dtype {dt}; it must be real floating point "

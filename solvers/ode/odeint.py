@@ -74,9 +74,9 @@ def odeint(
     Arguments:
         func: the vector field `func(y, t, *args)`, returning a pytree like `y`.
         y0: the initial state, a pytree of floating-point or complex arrays. With
-            complex arrays, the implicit methods integrate their real and imaginary
-            parts as a real system of twice the size (tolerances apply to each part;
-            a real leaf beside complex ones keeps a real part only):
+            complex arrays, the implicit methods integrate a real system: the real
+            parts of every leaf and the imaginary parts of the complex ones
+            (tolerances apply to each part):
             the Jacobian of a field that is not holomorphic in `y` (one with `|y|` or
             `conj(y)`) is only real-linear, and the stage solves and the implicit
             derivatives need the whole of it.

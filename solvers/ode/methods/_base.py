@@ -270,13 +270,14 @@ class AbstractMethod(abc.ABC):
         del carry1
         return self.jacobians_per_step, self.factorisations_per_step
 
-    def next_size(self, h_step, ratio, good, accept, carry1, last):
+    def next_size(self, h_step, ratio, good, accept, carry1, last=None):
         """The next step size after an attempt of size `h_step` with error `ratio`
         (in units of the tolerance; `good`: the step computed finite values and its
         stage solves converged), `carry1` the attempt's carry, `last = (h_acc,
-        err_acc, any)` the accepted step before it (see `solvers.ode.controller`). By
-        default the controller of `solvers.ode.controller` with the method's `order`,
-        predictive for an implicit method."""
+        err_acc, any)` the accepted step before it (see `solvers.ode.controller`;
+        the loop always passes it). By default the controller of
+        `solvers.ode.controller` with the method's `order`, predictive for an implicit
+        method."""
         return controller.next_size(
             h_step, ratio, good, accept, self.order, last if self.implicit else None
         )

@@ -218,7 +218,7 @@ class BDF(AbstractMethod):
     def attempt_work(self, carry1: BDFCarry):
         return carry1.memory.work, carry1.memory.work
 
-    def next_size(self, h_step, ratio, good, accept, carry1: BDFCarry, last):
+    def next_size(self, h_step, ratio, good, accept, carry1: BDFCarry, last=None):
         # The order and size were chosen in the step (`BDFMemory.grow`).
         del last
         mem = carry1.memory
