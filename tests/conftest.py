@@ -51,8 +51,8 @@ def _map_limit() -> int:
         return 65530
 
 
-# A quarter of the kernel's limit: a test compiles far fewer programs than that.
-_MAPPINGS_MAX = _map_limit() // 4
+# Half the kernel's limit: a test compiles far fewer programs than that.
+_MAPPINGS_MAX = _map_limit() // 2
 # Mappings left after the last release: the next one waits until this many more.
 _released_at = [0]
 
@@ -69,14 +69,14 @@ def _mappings() -> int:
 @pytest.fixture(autouse=True)
 def _release_compiled_programs_when_many():
     """The same within a module: drop JAX's caches after a test that leaves the process
-    holding more than a quarter of `vm.max_map_count` mappings (and a quarter more than
-    after the last release, so that mappings the caches do not hold cannot make every
+    holding more than half of `vm.max_map_count` mappings (and a quarter of it more
+    than after the last release, so that mappings the caches do not hold cannot make every
     later test recompile). One worker running many of the slow cases of a large module
     (the ODE methods times the adjoints) reached the limit, and XLA's compiler then
     crashed with a segmentation fault."""
     yield
     count = _mappings()
-    if count > max(_MAPPINGS_MAX, _released_at[0] + _MAPPINGS_MAX):
+    if count > max(_MAPPINGS_MAX, _released_at[0] + _MAPPINGS_MAX // 2):
         gc.collect()
         jax.clear_caches()
         _released_at[0] = _mappings()
