@@ -613,6 +613,72 @@ def test_linearisations_in_chunks_match_the_references(x64, monkeypatch, method)
     assert _rel(gy, ref["grad_y0"]) < bound, (_rel(gy, ref["grad_y0"]), bound)
 
 
+def _forced_linear_system(n=10):
+    """`y' = p A y + b cos t` with a stiff, non-symmetric `A` (eigenvalues from -1 to
+    -1000), and its closed form: the augmented state `(y, cos t, sin t)` is linear and
+    autonomous, so `y(t) = [expm(t B) (y0, 1, 0)][:n]`."""
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(rng.normal(size=(n, n)))
+    a = q @ np.diag(-np.logspace(0, 3, n)) @ q.T + 0.5 * np.triu(rng.normal(size=(n, n)), 1)
+    a, b = jnp.asarray(a), jnp.asarray(rng.normal(size=n))
+
+    def f(y, t, p):
+        return p * (a @ y) + b * jnp.cos(t)
+
+    def exact(y0, ts, p):
+        big = jnp.zeros((n + 2, n + 2))
+        big = big.at[:n, :n].set(p * a).at[:n, n].set(b)
+        big = big.at[n, n + 1].set(-1.0).at[n + 1, n].set(1.0)
+        z0 = jnp.concatenate([y0, jnp.array([1.0, 0.0])])
+        return jnp.stack([jax.scipy.linalg.expm(t * big)[:n] @ z0 for t in ts])
+
+    return f, exact, jnp.asarray(rng.normal(size=n))
+
+
+@pytest.mark.parametrize(
+    ("method", "rolled"),
+    [
+        ("rodas5p", True),
+        ("rodas5p", False),
+        pytest.param("rodas4", True, marks=pytest.mark.slow),
+    ],
+)
+def test_rosenbrock_stages_as_a_loop_under_every_transformation(x64, monkeypatch, method, rolled):
+    """From `ROLL_MIN_STATES` states on, a Rosenbrock step runs its stages as one loop.
+    Both forms, on a forced stiff linear system of 10 states (the time derivative of
+    the field enters every stage), against the closed form: values, `grad` (the
+    checkpointed adjoint), `jacfwd`, `hessian` and `vmap` of `grad`."""
+    from solvers.ode.methods import _rosenbrock
+
+    monkeypatch.setattr(_rosenbrock, "ROLL_MIN_STATES", 8 if rolled else 10**9)
+    f, exact, y0 = _forced_linear_system()
+    ts = jnp.linspace(0.0, 2.0, 5)
+    w = jnp.linspace(1.0, 2.0, y0.size)
+
+    def loss(p, y0, **kw):
+        ys = odeint(f, y0, ts, p, method=method, rtol=1e-10, atol=1e-10, **kw)
+        return jnp.sum(ys[1:] ** 2 @ w)
+
+    def loss_exact(p, y0):
+        return jnp.sum(exact(y0, ts, p)[1:] ** 2 @ w)
+
+    p = 1.3
+    ys = jax.jit(lambda p, y0: odeint(f, y0, ts, p, method=method, rtol=1e-10, atol=1e-10))(p, y0)
+    np.testing.assert_allclose(ys, exact(y0, ts, p), rtol=1e-9, atol=1e-10)
+    want = jax.grad(loss_exact, argnums=(0, 1))(p, y0)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, y0)
+    assert _rel(got[0], want[0]) < 1e-8, (got[0], want[0])
+    assert _rel(got[1], want[1]) < 1e-8, _rel(got[1], want[1])
+    jf = jax.jit(jax.jacfwd(loss, argnums=1))(p, y0)
+    assert _rel(jf, want[1]) < 1e-8
+    hess = jax.jit(jax.hessian(loss))(p, y0)
+    assert _rel(hess, jax.hessian(loss_exact)(p, y0)) < 1e-8
+    ps = jnp.array([0.7, 1.3, 2.0])
+    batched = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))(ps, y0)
+    want_b = jnp.stack([jax.grad(loss_exact)(q, y0) for q in ps])
+    assert _rel(batched, want_b) < 1e-8, (batched, want_b)
+
+
 def test_stiff_method_defaults_to_the_checkpointed_adjoint(x64):
     k = 1000.0
     g = jax.grad(functools.partial(_relaxation_loss, method="kvaerno5"))(k)

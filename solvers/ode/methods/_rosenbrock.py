@@ -34,7 +34,20 @@ from implicitdiff.linear_solve import LinearSolver
 from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, jacobian_product
 
-__all__ = ["RosenbrockTableau", "Rosenbrock"]
+__all__ = ["RosenbrockTableau", "Rosenbrock", "ROLL_MIN_STATES"]
+
+#: From this many states on, the stages after the first run as one loop
+#: (`Rosenbrock._rolled_stages`) instead of one after another in the program.
+ROLL_MIN_STATES = 8
+
+
+def _combine(y, h, coeffs, ks):
+    """`y + h sum_j coeffs[j] ks[j]`, skipping the zero coefficients."""
+    acc = y
+    for aij, kj in zip(coeffs, ks):
+        if aij != 0.0:
+            acc = acc + (h * aij) * kj
+    return acc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,24 +174,24 @@ class Rosenbrock(AbstractMethod):
         solver = self.linear_solver
         mass = lambda v: apply_mass(self.mass_matrix, v)  # noqa: E731
         state = solver.init(lambda v: mass(v) - hg * jvp(v), y)
-        needs_ft = any(di != 0.0 for di in tab.d)
-        if needs_ft:
+        f_t = None
+        if any(di != 0.0 for di in tab.d):
             tt = jnp.asarray(t)
             f_t = jax.jvp(lambda s: f(y, s, params), (tt,), (jnp.ones_like(tt),))[1]
+        stages = self._rolled_stages if y.size >= ROLL_MIN_STATES else self._unrolled_stages
+        ks = stages(f, y, k1, t, h, params, state, mass, f_t)
+        y1 = _combine(y, h, tab.b, ks)
+        err = sum((h * ei) * ki for ei, ki in zip(tab.e, ks) if ei != 0.0)
+        k_next = f(y1, t + h, params)
+        return y1, err, k_next, jnp.asarray(True), ks
 
-        def stage_arg(coeffs, ks):
-            acc = y
-            for aij, kj in zip(coeffs, ks):
-                if aij != 0.0:
-                    acc = acc + (h * aij) * kj
-            return acc
-
+    def _unrolled_stages(self, f, y, k1, t, h, params, state, mass, f_t):
+        """The stages one after another in the program: the fastest for a small
+        system, whose stages cost little more than a loop's own overhead."""
+        tab = self.tableau
         ks = []
         for i in range(tab.stages):
-            if i == 0:
-                fi = k1
-            else:
-                fi = f(stage_arg(tab.a[i], ks), t + tab.c[i] * h, params)
+            fi = k1 if i == 0 else f(_combine(y, h, tab.a[i], ks), t + tab.c[i] * h, params)
             rhs = fi
             if tab.d[i] != 0.0:
                 rhs = rhs + (h * tab.d[i]) * f_t
@@ -188,8 +201,34 @@ class Rosenbrock(AbstractMethod):
                     coupling = cij * kj if coupling is None else coupling + cij * kj
             if coupling is not None:
                 rhs = rhs + mass(coupling)
-            ks.append(tab.gamma * solver.solve(state, rhs))
-        y1 = stage_arg(tab.b, ks)
-        err = sum((h * ei) * ki for ei, ki in zip(tab.e, ks) if ei != 0.0)
-        k_next = f(y1, t + h, params)
-        return y1, err, k_next, jnp.asarray(True), ks
+            ks.append(tab.gamma * self.linear_solver.solve(state, rhs))
+        return ks
+
+    def _rolled_stages(self, f, y, k1, t, h, params, state, mass, f_t):
+        """Stages 2..s as one loop over the tableau's rows: the field and the stage
+        solve appear once in the program instead of once per stage, which for a large
+        system (a banded or sparse solve is a loop of its own) cuts the compile time of
+        a step and of its derivative several times over, at a loop overhead that is
+        small against such a stage."""
+        tab = self.tableau
+        s, dt = tab.stages, y.dtype
+        a, C = np.zeros((s, s)), np.zeros((s, s))
+        for i in range(s):
+            a[i, :i] = tab.a[i]
+            C[i, :i] = tab.C[i]
+        a, C = jnp.asarray(a, dt), jnp.asarray(C, dt)
+        c, d = jnp.asarray(tab.c, dt), jnp.asarray(tab.d, dt)
+
+        def rhs_with_f_t(rhs, i):
+            return rhs if f_t is None else rhs + (h * d[i]) * f_t
+
+        def stage(i, ks):
+            arg = y + h * jnp.tensordot(a[i], ks, axes=1)
+            rhs = f(arg, t + c[i] * h, params) + mass(jnp.tensordot(C[i], ks, axes=1))
+            k = tab.gamma * self.linear_solver.solve(state, rhs_with_f_t(rhs, i))
+            return ks.at[i].set(k)
+
+        k0 = tab.gamma * self.linear_solver.solve(state, rhs_with_f_t(k1, 0))
+        ks = jnp.zeros((s,) + y.shape, dt).at[0].set(k0)
+        ks = jax.lax.fori_loop(1, s, stage, ks)
+        return [ks[i] for i in range(s)]
