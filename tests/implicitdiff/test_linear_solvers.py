@@ -255,7 +255,10 @@ def _kahan(n: int, seed: int) -> np.ndarray:
     return k[np.random.default_rng(seed).permutation(n)]
 
 
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 9])
+# The sizes either side of each switch in the main suite; 1 and 3 with the slow one.
+@pytest.mark.parametrize(
+    "n", [*(pytest.param(k, marks=pytest.mark.slow) for k in (1, 3)), 4, 5, 8, 9]
+)
 @pytest.mark.parametrize("make", [_needs_pivoting, _kahan], ids=["pivoting", "kahan"])
 def test_dense_solves_either_side_of_the_substitution_size(x64, n, make):
     """`Dense` solves small systems by written-out substitution and larger ones with

@@ -286,7 +286,9 @@ def _copies_operator(sizes, seed=0):
     return operator, dense, n
 
 
-@pytest.mark.parametrize("sizes", [[3] * 7, [1, 2, 3, 8, 2], [1] * 5])
+@pytest.mark.parametrize(
+    "sizes", [[3] * 7, pytest.param([1, 2, 3, 8, 2], marks=pytest.mark.slow), [1] * 5]
+)
 def test_independent_groups_are_solved_as_blocks(x64, sizes):
     """Groups of at most `BLOCK_MAX` unknowns in any order are stored as dense blocks
     (padded to the largest) and solved, in both directions, as `numpy.linalg.solve`

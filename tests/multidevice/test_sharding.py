@@ -3,7 +3,8 @@
 JAX fixes its device count when it starts, so each test runs `_sharded_checks.py` in a
 fresh Python process with `XLA_FLAGS=--xla_force_host_platform_device_count=8` and
 asserts that it exits 0; the script prints a table of the checks (see its docstring).
-The ODE cases compile longer and are marked `slow` (`pytest -m slow`).
+Each starts a process of its own that compiles for eight devices, so both run with the
+slow tests (`pytest -m slow`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert "| DEQ |" in proc.stdout or "| NeuralODE" in proc.stdout
 
 
+@pytest.mark.slow
 def test_sharded_layers_and_solvers():
     """DEQ, RootLayer, ArgminLayer, fixed_point, root, minimize, and a shard_map step."""
     _assert_ok(run_checks("fast", timeout=300))

@@ -214,6 +214,7 @@ def test_many_outputs_a_few_at_a_time_under_vmap(x64):
     np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-8)
 
 
+@pytest.mark.slow
 def test_outputs_summed_per_step_first_or_window_by_window(x64, monkeypatch):
     """The two ways the sweep collects the outputs' cotangents: summed per step before
     it starts (few numbers: the default here) or a few rows at a time at each step

@@ -114,7 +114,9 @@ def test_mass_matrix_applies_to_both_parts(x64):
     np.testing.assert_allclose(ys[-1], Y0 * np.exp(np.asarray(lam) / np.diag(m)), rtol=1e-8)
 
 
-@pytest.mark.parametrize("method", ["radau5", "bdf", "rodas5p"])
+@pytest.mark.parametrize(
+    "method", [*(pytest.param(m, marks=pytest.mark.slow) for m in ("radau5", "bdf")), "rodas5p"]
+)
 def test_mixed_state_with_a_real_algebraic_unknown(x64, method):
     """`y' = a y + z`, `0 = z - cos t` with a complex `y` and a real `z`: only the complex
     leaf gets an imaginary part to integrate (one for `z` would be an equation `0 = 0`,

@@ -67,7 +67,12 @@ def _rober_loss(method, rtol=1e-8, **kw):
     return loss, steps, (jnp.asarray(prob["p"]), jnp.asarray(prob["y0"]))
 
 
-@pytest.mark.parametrize("method", SOME_METHODS)
+# radau5, rodas5p and bdf once each in the main suite between this test and the next;
+# the rest (rodas4 in both) with the slow tests.
+@pytest.mark.parametrize(
+    "method",
+    [*(pytest.param(m, marks=pytest.mark.slow) for m in ("radau5", "rodas5p", "rodas4")), "bdf"],
+)
 def test_robertson_dae_matches_the_ode_reference(x64, method):
     """The DAE form has the ODE form's solution: its loss and gradient in the rate
     constants match SciPy's at rtol 1e-12 (within `10 n rtol`, as the ODE tests); the
@@ -123,7 +128,10 @@ def linear_closed_form(ts, k, c, y0):
 TS = np.array([0.0, 0.3, 1.0, 2.5])
 
 
-@pytest.mark.parametrize("method", SOME_METHODS)
+@pytest.mark.parametrize(
+    "method",
+    ["radau5", "rodas5p", *(pytest.param(m, marks=pytest.mark.slow) for m in ("rodas4", "bdf"))],
+)
 def test_linear_dae_and_its_derivatives_match_the_closed_form(x64, method):
     def solve(k, c, y0):
         u0 = jnp.array([y0, 0.0])  # z inconsistent: corrected to c - y0
@@ -168,7 +176,7 @@ def mixed_dae(x, t, k, c):
     return jnp.asarray(_R) @ linear_dae(jnp.asarray(_S) @ x, t, k, c)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS[:-1], pytest.param("bdf", marks=pytest.mark.slow)])
 def test_a_full_singular_mass_matrix(x64, method):
     """`M` neither diagonal nor with zero rows: the algebraic equation is `L f = 0` for
     the left null vector `L`, the algebraic direction `M`'s null vector; both are

@@ -24,7 +24,7 @@ KW = {
 # Tolerance of the outputs against the closed form: the interpolant's own accuracy
 # (the cubic Hermite of Bosh3/Kvaerno5/RK4 is fourth order, Euler's first).
 VALUE_TOL = {**{m: 1e-6 for m in ADAPTIVE}, "rk4": 1e-4, "euler": 2e-2}
-SLOW = ("dopri8", "kvaerno5")
+SLOW = ("dopri8", "kvaerno5", "tsit5", "bosh3")
 W = 1.3
 TS = np.linspace(0.0, 3.0, 61)  # many outputs per step
 
@@ -77,7 +77,7 @@ def test_same_as_dense_output_evaluated_at_the_times(x64, method):
     np.testing.assert_allclose(ys, sol.evaluate(jnp.asarray(TS)), rtol=1e-12, atol=1e-12)
 
 
-# Dopri8 and Kvaerno5 (the slowest to compile) run with the slow suite.
+# Dopri8 and Kvaerno5 (the slowest to compile), Tsit5 and Bosh3 run with the slow suite.
 @pytest.mark.parametrize(
     "method",
     [m if m not in SLOW else pytest.param(m, marks=pytest.mark.slow) for m in KW],

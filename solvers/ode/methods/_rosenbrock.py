@@ -31,6 +31,7 @@ import numpy as np
 from implicitdiff import linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
+from .._small import small_product
 from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, jacobian_product
 
@@ -222,9 +223,12 @@ class Rosenbrock(AbstractMethod):
         def rhs_with_f_t(rhs, i):
             return rhs if f_t is None else rhs + (h * d[i]) * f_t
 
+        def row(coeffs, ks):  # sum_j coeffs[j] ks[j], a sum of products (see `_small`)
+            return small_product(coeffs[None, :], ks.reshape(s, -1)).reshape(y.shape)
+
         def stage(i, ks):
-            arg = y + h * jnp.tensordot(a[i], ks, axes=1)
-            rhs = f(arg, t + c[i] * h, params) + mass(jnp.tensordot(C[i], ks, axes=1))
+            arg = y + h * row(a[i], ks)
+            rhs = f(arg, t + c[i] * h, params) + mass(row(C[i], ks))
             k = tab.gamma * self.linear_solver.solve(state, rhs_with_f_t(rhs, i))
             return ks.at[i].set(k)
 
