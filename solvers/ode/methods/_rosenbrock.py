@@ -43,7 +43,9 @@ ROLL_MIN_STATES = 8
 
 
 def _combine(y, h, coeffs, ks):
-    """`y + h sum_j coeffs[j] ks[j]`, skipping the zero coefficients."""
+    """`y + h sum_j coeffs[j] ks[j]`, skipping the zero coefficients, each term added to
+    `y` in turn. (`_runge_kutta.combine` sums the terms first and scales once; in a
+    Rosenbrock step on 2-3 states that order measured up to 1.4x slower forward, VDPOL.)"""
     acc = y
     for aij, kj in zip(coeffs, ks):
         if aij != 0.0:
