@@ -643,19 +643,23 @@ def _forced_linear_system(n=10):
         ("rodas5p", True),
         pytest.param("rodas5p", False, marks=pytest.mark.slow),
         pytest.param("rodas4", True, marks=pytest.mark.slow),
+        ("kvaerno5", True),
+        pytest.param("kvaerno5", False, marks=pytest.mark.slow),
     ],
 )
-def test_rosenbrock_stages_as_a_loop_under_every_transformation(x64, monkeypatch, method, rolled):
-    """From `ROLL_MIN_STATES` states on, a Rosenbrock step runs its stages as one loop.
+def test_implicit_stages_as_a_loop_under_every_transformation(x64, monkeypatch, method, rolled):
+    """A Rosenbrock step can run its stages as one loop, and so can an ESDIRK step
+    whose implicit stages share one diagonal value (each iteration a Newton solve
+    through `custom_root`): `stage_loop`, by default from `ROLL_MIN_STATES` states on.
     Both forms (the unrolled one with the slow tests: every smaller system runs it), on
     a forced stiff linear system of 10 states (the field's time derivative enters the
-    stages whose `d` is nonzero), against the closed form: values, `grad` (the
-    checkpointed adjoint, its steps linearised eight at a time as for a large system),
-    `jacfwd`, `hessian` and `vmap` of `grad`."""
-    from solvers.ode.methods import _rosenbrock
+    Rosenbrock stages whose `d` is nonzero), against the closed form: values, `grad`
+    (the checkpointed adjoint, its steps linearised eight at a time as for a large
+    system), `jacfwd`, `hessian` and `vmap` of `grad`."""
+    from solvers.ode.methods import resolve_method
 
-    monkeypatch.setattr(_rosenbrock, "ROLL_MIN_STATES", 8 if rolled else 10**9)
     monkeypatch.setattr(sweep, "LINEARIZE_MIN_STATES", 1)
+    method = dataclasses.replace(resolve_method("odeint", method), stage_loop=rolled)
     f, exact, y0 = _forced_linear_system()
     ts = jnp.linspace(0.0, 2.0, 5)
     w = jnp.linspace(1.0, 2.0, y0.size)
@@ -707,10 +711,8 @@ def test_rosenbrock_stages_in_a_loop_are_the_unrolled_stages(x64, method, dtype)
     y = jnp.asarray(y0 + 0.1 * rng.normal(size=n), dtype)
     t, h, p = jnp.asarray(0.3, dtype), jnp.asarray(2e-3, dtype), jnp.asarray(1.3, dtype)
     k1 = f(y, t, p)
-    # `_rolled_stages` and `_unrolled_stages` take the same arguments; swap one for the other.
-    rolled = step.step_with_stages(f, y, k1, t, h, p)
-    unrolled_step = _with_stages(step, step._unrolled_stages)
-    unrolled = unrolled_step.step_with_stages(f, y, k1, t, h, p)
+    rolled = dataclasses.replace(step, stage_loop=True).step_with_stages(f, y, k1, t, h, p)
+    unrolled = dataclasses.replace(step, stage_loop=False).step_with_stages(f, y, k1, t, h, p)
     # Rounding relative to the largest stage derivative (`|h J|` up to 2 here: the
     # stages' couplings sum terms of that size), the same in both forms; in float32
     # the check is mostly that every result keeps the state's precision.
@@ -724,21 +726,53 @@ def test_rosenbrock_stages_in_a_loop_are_the_unrolled_stages(x64, method, dtype)
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
 
 
-def _with_stages(method, stages):
-    """`method` whose `_rolled_stages` is `stages` (a subclass made on the spot)."""
-    cls = type(method)
-    sub = type(f"Unrolled{cls.__name__}", (cls,), {"_rolled_stages": lambda self, *a: stages(*a)})
-    return sub(**{fld.name: getattr(method, fld.name) for fld in dataclasses.fields(method)})
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_esdirk_stages_in_a_loop_are_the_unrolled_stages(x64, dtype):
+    """One kvaerno5 step of each form from the same start, on a non-autonomous
+    nonlinear field, its stage equations solved to rounding: the same stages, solution
+    and error estimate (the loop sums a stage's terms in another order), and the same
+    outcome when a stage's Newton iteration fails."""
+    from solvers.ode.methods import StageTolerance, resolve_method
 
+    f_lin, _, y0 = _forced_linear_system()
+    rng = np.random.default_rng(2)
 
-def test_stiff_method_defaults_to_the_checkpointed_adjoint(x64):
-    k = 1000.0
-    g = jax.grad(functools.partial(_relaxation_loss, method="kvaerno5"))(k)
-    explicit = jax.grad(
-        functools.partial(_relaxation_loss, method="kvaerno5", adjoint="checkpoint")
-    )(k)
-    assert float(g) == float(explicit)
-    np.testing.assert_allclose(g, _relaxation_grad_exact(k), rtol=1e-4)
+    def f(y, t, p):
+        return (f_lin(y, t, p) + 0.3 * jnp.sin(y) * jnp.sin(3 * t)).astype(y.dtype)
+
+    kvaerno5 = resolve_method("odeint", "kvaerno5")
+    step = dataclasses.replace(kvaerno5, stage_loop=True)
+    unrolled_step = dataclasses.replace(kvaerno5, stage_loop=False)
+    y = jnp.asarray(y0 + 0.1 * rng.normal(size=y0.size), dtype)
+    t, p = jnp.asarray(0.3, dtype), jnp.asarray(1.3, dtype)
+    k1 = f(y, t, p)
+    # Stage equations solved to rounding (a looser stopping test in float32, whose
+    # iteration stalls at rounding before the float64 one's bound).
+    eps = float(jnp.finfo(dtype).eps)
+    tight = StageTolerance(rtol=10 * eps, atol=10 * eps) if dtype == np.float64 else None
+    h = jnp.asarray(2e-3, dtype)
+    rolled = step.step_with_stages(f, y, k1, t, h, p, tol=tight)
+    unrolled = unrolled_step.step_with_stages(f, y, k1, t, h, p, tol=tight)
+    y1, err, k_next, ok, ks = rolled
+    assert bool(ok) and bool(unrolled[3])
+    leaves = list(zip([y1, err, k_next, *ks], [*unrolled[:3], *unrolled[4]], strict=True))
+    scale = max(float(jnp.max(jnp.abs(b))) for _, b in leaves)
+    tol = 1e-12 if dtype == np.float64 else 1e-4
+    for a, b in leaves:
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+
+    # A field that turns strongly nonlinear in a short window around the third stage's
+    # time (c = 1.23; the other stages' times are at least 0.1 h away) makes that
+    # stage's iteration, with the Jacobian at the step's start, diverge while staying
+    # finite; the later stages converge from there, and the step fails in both forms.
+    def g(y, s, p):
+        bump = jnp.where(jnp.abs(s - (t + 1.23 * h)) < 0.05 * h, 1e4, 0.0).astype(y.dtype)
+        return f(y, s, p) + bump * jnp.sin(y) ** 2
+
+    for form in (step, unrolled_step):
+        assert not bool(form.step_with_stages(g, y, k1, t, h, p, tol=tight)[3])
+        assert bool(form.step_with_stages(f, y, k1, t, h, p, tol=tight)[3])
 
 
 @pytest.mark.parametrize("method", ["dopri5", pytest.param("kvaerno5", marks=pytest.mark.slow)])
@@ -836,6 +870,14 @@ def test_esdirk_with_a_different_diagonal_per_stage(x64, registry):
         _relaxation_loss, method="esdirk-test", rtol=1e-6, atol=1e-6, max_steps=1 << 14
     )
     np.testing.assert_allclose(jax.grad(loss)(k), _relaxation_grad_exact(k), rtol=1e-3)
+    # Its stages cannot run as one loop (one iteration matrix per diagonal value).
+    with pytest.raises(ValueError, match="stage_loop=True needs one diagonal value"):
+        dataclasses.replace(method, stage_loop=True)
+    # A predictor row per implicit stage, row i with i + 1 entries.
+    tab = method.tableau
+    with pytest.raises(ValueError, match="`predictor` needs 2 rows"):
+        dataclasses.replace(tab, predictor=((1.0,), (0.5,)))
+    assert dataclasses.replace(tab, predictor=((1.0,), (0.5, 0.5))).predictor is not None
 
 
 def test_a_new_explicit_tableau_is_one_definition_and_one_registration(x64, registry):

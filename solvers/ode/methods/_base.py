@@ -152,6 +152,12 @@ class ButcherTableau:
             v = getattr(self, name)
             if v is not None and len(v) != s:
                 raise ValueError(f"ButcherTableau: `{name}` needs {s} entries, got {len(v)}")
+        pred = self.predictor
+        if pred is not None and [len(r) for r in pred] != list(range(1, s)):
+            raise ValueError(
+                f"ButcherTableau: `predictor` needs {s - 1} rows (one per implicit stage), "
+                f"row i with i + 1 entries; got rows of {[len(r) for r in pred]}"
+            )
 
     @property
     def stages(self) -> int:

@@ -38,7 +38,8 @@ from ._base import AbstractMethod, jacobian_product
 __all__ = ["RosenbrockTableau", "Rosenbrock", "ROLL_MIN_STATES"]
 
 #: From this many states on, the stages after the first run as one loop
-#: (`Rosenbrock._rolled_stages`) instead of one after another in the program.
+#: (`Rosenbrock._rolled_stages`) instead of one after another in the program, unless
+#: the method's `stage_loop` says otherwise.
 ROLL_MIN_STATES = 8
 
 
@@ -117,6 +118,10 @@ class Rosenbrock(AbstractMethod):
             (`odeint(mass_matrix=...)` sets it), or `None` for an ODE. The stages then
             solve with `M - h gamma J`, and the increment couplings are multiplied by
             `M`.
+        stage_loop: `True` runs the stages after the first as one loop, so the field
+            and the stage solve are compiled once (`jit(grad)` compiles in about half
+            the time); `False` writes them one after another, the fastest on a few
+            states; `None` (the default) loops from `ROLL_MIN_STATES` states on.
     """
 
     tableau: RosenbrockTableau
@@ -124,6 +129,7 @@ class Rosenbrock(AbstractMethod):
     name: str
     linear_solver: LinearSolver = linear_solve.Dense(throw=False)
     mass_matrix: MassMatrix | None = None
+    stage_loop: bool | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -181,7 +187,8 @@ class Rosenbrock(AbstractMethod):
         if any(di != 0.0 for di in tab.d):
             tt = jnp.asarray(t)
             f_t = jax.jvp(lambda s: f(y, s, params), (tt,), (jnp.ones_like(tt),))[1]
-        stages = self._rolled_stages if y.size >= ROLL_MIN_STATES else self._unrolled_stages
+        loop = y.size >= ROLL_MIN_STATES if self.stage_loop is None else self.stage_loop
+        stages = self._rolled_stages if loop else self._unrolled_stages
         ks = stages(f, y, k1, t, h, params, state, mass, f_t)
         y1 = _combine(y, h, tab.b, ks)
         err = sum((h * ei) * ki for ei, ki in zip(tab.e, ks) if ei != 0.0)
