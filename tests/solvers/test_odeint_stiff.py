@@ -688,6 +688,21 @@ def test_implicit_stages_as_a_loop_under_every_transformation(x64, monkeypatch, 
     assert _rel(batched, want_b) < 1e-8, (batched, want_b)
 
 
+def _assert_same_step(rolled, unrolled, dtype):
+    """Two results of `step_with_stages` agree: both steps succeeded, and their solution,
+    error estimate, `f` at the end and stages match to rounding relative to the largest
+    of them (1e-12 in float64; in float32 the check is mostly that every result keeps
+    the state's precision)."""
+    y1, err, k_next, ok, ks = rolled
+    assert bool(ok) and bool(unrolled[3])
+    leaves = list(zip([y1, err, k_next, *ks], [*unrolled[:3], *unrolled[4]], strict=True))
+    scale = max(float(jnp.max(jnp.abs(b))) for _, b in leaves)
+    tol = 1e-12 if dtype == np.float64 else 1e-4
+    for a, b in leaves:
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+
+
 @pytest.mark.parametrize("method", ["rodas5p", "rodas4"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_rosenbrock_stages_in_a_loop_are_the_unrolled_stages(x64, method, dtype):
@@ -714,16 +729,8 @@ def test_rosenbrock_stages_in_a_loop_are_the_unrolled_stages(x64, method, dtype)
     rolled = dataclasses.replace(step, stage_loop=True).step_with_stages(f, y, k1, t, h, p)
     unrolled = dataclasses.replace(step, stage_loop=False).step_with_stages(f, y, k1, t, h, p)
     # Rounding relative to the largest stage derivative (`|h J|` up to 2 here: the
-    # stages' couplings sum terms of that size), the same in both forms; in float32
-    # the check is mostly that every result keeps the state's precision.
-    y1, err, k_next, ok, ks = rolled
-    assert bool(ok) and bool(unrolled[3])
-    leaves = list(zip([y1, err, k_next, *ks], [*unrolled[:3], *unrolled[4]], strict=True))
-    scale = max(float(jnp.max(jnp.abs(b))) for _, b in leaves)
-    tol = 1e-12 if dtype == np.float64 else 1e-4
-    for a, b in leaves:
-        assert a.dtype == b.dtype == dtype
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+    # stages' couplings sum terms of that size).
+    _assert_same_step(rolled, unrolled, dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -753,14 +760,7 @@ def test_esdirk_stages_in_a_loop_are_the_unrolled_stages(x64, dtype):
     h = jnp.asarray(2e-3, dtype)
     rolled = step.step_with_stages(f, y, k1, t, h, p, tol=tight)
     unrolled = unrolled_step.step_with_stages(f, y, k1, t, h, p, tol=tight)
-    y1, err, k_next, ok, ks = rolled
-    assert bool(ok) and bool(unrolled[3])
-    leaves = list(zip([y1, err, k_next, *ks], [*unrolled[:3], *unrolled[4]], strict=True))
-    scale = max(float(jnp.max(jnp.abs(b))) for _, b in leaves)
-    tol = 1e-12 if dtype == np.float64 else 1e-4
-    for a, b in leaves:
-        assert a.dtype == b.dtype == dtype
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+    _assert_same_step(rolled, unrolled, dtype)
 
     # A field that turns strongly nonlinear in a short window around the third stage's
     # time (c = 1.23; the other stages' times are at least 0.1 h away) makes that
