@@ -26,10 +26,10 @@ on): the program then holds the field, the Newton iteration and the stage solve 
 instead of once per stage. Measured with kvaerno5 (2-core CPU, `jit(grad)` of a
 solve: trace, lowering and XLA): HIRES (8 states) 7.3 -> 3.3 s, the 64-point
 Brusselator line (128) 12.3 -> 7.3 s, and ROBER (3) 5.0 -> 2.6 s with the loop forced;
-the forward solve is as fast, one step's pull-back too, but the gradient of a whole
-solve ran 12-20% slower on HIRES and 5-30% on the Brusselator line (both forms timed
-in one process). A small system compiles quickly either way, so it keeps the
-unrolled stages and their faster gradient.
+the forward solve is as fast, but the gradient of a whole solve ran 12-20% slower on
+HIRES and 5-30% on the Brusselator line (both forms timed in one process). A small
+system compiles quickly either way, so it keeps the unrolled stages and their faster
+gradient.
 """
 
 from __future__ import annotations
