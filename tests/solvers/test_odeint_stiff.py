@@ -775,6 +775,16 @@ def test_esdirk_stages_in_a_loop_are_the_unrolled_stages(x64, dtype):
         assert bool(form.step_with_stages(f, y, k1, t, h, p, tol=tight)[3])
 
 
+def test_stiff_method_defaults_to_the_checkpointed_adjoint(x64):
+    k = 1000.0
+    g = jax.grad(functools.partial(_relaxation_loss, method="kvaerno5"))(k)
+    explicit = jax.grad(
+        functools.partial(_relaxation_loss, method="kvaerno5", adjoint="checkpoint")
+    )(k)
+    assert float(g) == float(explicit)
+    np.testing.assert_allclose(g, _relaxation_grad_exact(k), rtol=1e-4)
+
+
 @pytest.mark.parametrize("method", ["dopri5", pytest.param("kvaerno5", marks=pytest.mark.slow)])
 def test_backsolve_refuses_a_problem_unstable_backwards(x64, method):
     """Integrated backwards, y' = -k (y - cos t) grows like exp(k t): the state strays
