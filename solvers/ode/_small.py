@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SMALL", "small_product"]
+__all__ = ["SMALL", "small_product", "weighted_stages"]
 
 #: Up to this many columns of `a`, `small_product` sums products; above, it is `a @ b`.
 SMALL = 32
@@ -33,3 +33,10 @@ def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
     if b.ndim == 1:
         return jnp.sum(a * b[None, :], axis=1)
     return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+def weighted_stages(coeffs: jax.Array, ks: jax.Array) -> jax.Array:
+    """`sum_j coeffs[j] ks[j]` for `s` weights and stages stacked along the first axis of
+    `ks`: a sum of products (`small_product`), as a step's stage loop forms its rows."""
+    s = ks.shape[0]
+    return small_product(coeffs[None, :], ks.reshape(s, -1)).reshape(ks.shape[1:])

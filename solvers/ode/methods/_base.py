@@ -37,6 +37,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import controller
 
@@ -48,9 +49,20 @@ __all__ = [
     "after",
     "combine_carry",
     "jacobian_product",
+    "lower_triangle",
     "partition_carry",
     "select",
 ]
+
+
+def lower_triangle(rows, size: int, dtype) -> jax.Array:
+    """The rows of a strictly lower triangular tableau matrix (row `i` with at most `i`
+    entries) as a `size x size` array padded with zeros, for a loop over the stages
+    that indexes its rows."""
+    out = np.zeros((size, size))
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return jnp.asarray(out, dtype)
 
 
 class Memory(eqx.Module):

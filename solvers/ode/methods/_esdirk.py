@@ -38,13 +38,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
-from .._small import small_product
-from ._base import StageTolerance, after, jacobian_product
+from .._small import weighted_stages
+from ._base import StageTolerance, after, jacobian_product, lower_triangle
 from ._newton import simplified_newton
 from ._runge_kutta import TableauMethod, combine
 
@@ -225,20 +224,16 @@ class ESDIRK(TableauMethod):
         rdt = jnp.finfo(dt).dtype
         (lu,) = lus.values()
         hg = jnp.asarray(h * tab.gamma[1], dt)
-        a, pred = np.zeros((s, s)), np.zeros((s, s))
-        for i in range(1, s):
-            a[i, :i] = tab.a[i]
-            pred[i, :i] = tab.predictor[i - 1] if tab.predictor else tab.a[i]
-        a, pred = jnp.asarray(a, dt), jnp.asarray(pred, dt)
+        a = lower_triangle(tab.a, s, dt)
+        # The predictor's row `i - 1` guesses stage `i`; without one, the guess is the
+        # stage's explicit part.
+        pred = lower_triangle(((),) + tab.predictor, s, dt) if tab.predictor else None
         c = jnp.asarray(tab.c, jnp.result_type(t, h))
-
-        def row(coeffs, ks):  # sum_j coeffs[j] ks[j], a sum of products (see `_small`)
-            return small_product(coeffs[None, :], ks.reshape(s, -1)).reshape(y.shape)
 
         def body(i, carry):
             ks, _, ok, eta = carry
-            base = y + h * row(a[i], ks)
-            guess = y + h * row(pred[i], ks)
+            base = y + h * weighted_stages(a[i], ks)
+            guess = base if pred is None else y + h * weighted_stages(pred[i], ks)
             z, k, conv, eta = stage(base, guess, t + c[i] * h, hg, lu, eta)
             return ks.at[i].set(k), z, ok & conv, eta
 

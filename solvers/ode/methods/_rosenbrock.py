@@ -31,9 +31,9 @@ import numpy as np
 from implicitdiff import linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
-from .._small import small_product
+from .._small import weighted_stages
 from ..mass import MassMatrix, apply_mass
-from ._base import AbstractMethod, jacobian_product
+from ._base import AbstractMethod, jacobian_product, lower_triangle
 
 __all__ = ["RosenbrockTableau", "Rosenbrock", "ROLL_MIN_STATES"]
 
@@ -222,22 +222,15 @@ class Rosenbrock(AbstractMethod):
         small against such a stage."""
         tab = self.tableau
         s, dt = tab.stages, y.dtype
-        a, C = np.zeros((s, s)), np.zeros((s, s))
-        for i in range(s):
-            a[i, :i] = tab.a[i]
-            C[i, :i] = tab.C[i]
-        a, C = jnp.asarray(a, dt), jnp.asarray(C, dt)
+        a, C = lower_triangle(tab.a, s, dt), lower_triangle(tab.C, s, dt)
         c, d = jnp.asarray(tab.c, dt), jnp.asarray(tab.d, dt)
 
         def rhs_with_f_t(rhs, i):
             return rhs if f_t is None else rhs + (h * d[i]) * f_t
 
-        def row(coeffs, ks):  # sum_j coeffs[j] ks[j], a sum of products (see `_small`)
-            return small_product(coeffs[None, :], ks.reshape(s, -1)).reshape(y.shape)
-
         def stage(i, ks):
-            arg = y + h * row(a[i], ks)
-            rhs = f(arg, t + c[i] * h, params) + mass(row(C[i], ks))
+            arg = y + h * weighted_stages(a[i], ks)
+            rhs = f(arg, t + c[i] * h, params) + mass(weighted_stages(C[i], ks))
             k = tab.gamma * self.linear_solver.solve(state, rhs_with_f_t(rhs, i))
             return ks.at[i].set(k)
 
