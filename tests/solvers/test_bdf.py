@@ -17,7 +17,7 @@ from implicitdiff import linear_solve
 from solvers import odeint
 from solvers.ode.methods import BDF, bdf
 
-from .stiff_problems import PROBLEMS, batch_script
+from .stiff_problems import PROBLEMS, batch_script, bruss
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -172,6 +172,48 @@ def test_factorisations_are_reused_and_counted(x64):
     ).y.T  # fmt: skip
     for out in (ys, ys_k):
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-9)
+
+
+def test_corrector_stops_by_the_error_test_share(x64, monkeypatch):
+    """The corrector stops once its distance to the solution would move the error
+    estimate by `NEWTON_SHARE` of the error test, its first iteration judged by the
+    last corrector's rate: on the Brusselator line (smooth in time, 128 states) most
+    steps take one Newton iteration (2.5 per step with `min(0.03, sqrt(rtol))` and no
+    rate carried), and the solution keeps SciPy's BDF accuracy at the same tolerance.
+    A DAE keeps the tight test (its guard: the transistor amplifier in
+    test_odeint_dae.py)."""
+    points = 64
+    f_np = bruss(points)
+    x = np.arange(1, points + 1) / (points + 1)
+    y0 = np.concatenate([1 + np.sin(2 * np.pi * x), 3 * np.ones(points)])
+    p = np.array([1.0, 3.0, 0.02])
+    iterations = []
+    newton = bdf.simplified_newton
+
+    def counted(correction, *args, **kw):
+        def step(z):
+            jax.debug.callback(lambda: iterations.append(1))
+            return correction(z)
+
+        return newton(step, *args, **kw)
+
+    monkeypatch.setattr(bdf, "simplified_newton", counted)
+    ys, info = odeint(
+        lambda y, t, p: f_np(y, t, p, jnp), jnp.asarray(y0), jnp.array([0.0, 10.0]),
+        jnp.asarray(p), method="bdf", rtol=1e-6, atol=1e-6, return_info=True,
+    )  # fmt: skip
+    attempts = int(info.steps) + int(info.rejected)
+    assert len(iterations) < 1.6 * attempts, (len(iterations), attempts)
+    assert int(info.rejected) < 0.1 * int(info.steps)
+    ref = solve_ivp(
+        lambda t, y: f_np(y, t, p, np), (0.0, 10.0), y0, method="Radau", rtol=1e-12,
+        atol=1e-12,
+    ).y[:, -1]  # fmt: skip
+    scipy_bdf = solve_ivp(
+        lambda t, y: f_np(y, t, p, np), (0.0, 10.0), y0, method="BDF", rtol=1e-6, atol=1e-6
+    ).y[:, -1]
+    err = np.max(np.abs(np.asarray(ys[-1]) - ref))
+    assert err < 3 * np.max(np.abs(scipy_bdf - ref)), err
 
 
 @pytest.mark.slow
