@@ -180,8 +180,7 @@ def test_corrector_stops_by_the_error_test_share(x64, monkeypatch):
     last corrector's rate: on the Brusselator line (smooth in time, 128 states) most
     steps take one Newton iteration (Hairer's test, `min(0.03, sqrt(rtol))`, with no
     rate carried, takes 2.5), and the solution keeps SciPy's BDF accuracy at the same
-    tolerance.
-    A DAE keeps the tight test (its guard: the transistor amplifier in
+    tolerance. A DAE keeps the tight test (its guard: the transistor amplifier in
     test_odeint_dae.py)."""
     points = 64
     f_np = bruss(points)
