@@ -15,9 +15,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["simplified_newton"]
+__all__ = ["hairer_kappa", "simplified_newton"]
 
 _RUNNING, _CONVERGED, _FAILED = 0, 1, 2
+
+
+def hairer_kappa(rtol: float, dtype) -> float:
+    """Hairer and Wanner's `kappa` for the implicit Runge-Kutta stages (RADAU5's
+    `fnewt`): `min(0.03, sqrt(rtol))`, and never below ten roundings of the solution
+    in units of the tolerance."""
+    eps = float(jnp.finfo(dtype).eps)
+    return max(10 * eps / rtol, min(0.03, rtol**0.5))
 
 
 def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0):

@@ -50,7 +50,7 @@ from implicitdiff.linear_solve import LinearSolver
 from .._small import small_product
 from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product, select
-from ._newton import simplified_newton
+from ._newton import hairer_kappa, simplified_newton
 
 __all__ = [
     "BDF",
@@ -308,15 +308,15 @@ class BDF(AbstractMethod):
             jvp = jacobian_product(f, y_a, t1, p_c)
             return stat(solver.init(lambda v: mass(v) - c_a * jvp(v), y))
 
-        eps = float(jnp.finfo(dt).eps)
-        if self.mass_matrix is None:
-            kappa = jnp.maximum(10 * eps / tol.rtol, NEWTON_SHARE / error_const[q])
-        else:
-            # A DAE's algebraic unknowns are not smoothed by the step: a corrector
-            # solved only to the share above leaves noise in them that fails the error
-            # test step after step (the transistor amplifier stalls at any tolerance).
-            # It is solved as tightly as Hairer's RADAU5 solves its stages.
-            kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
+        # An ODE's corrector stops by CVODE's rule (`NEWTON_SHARE`) and carries its
+        # rate from step to step. A DAE's algebraic unknowns are not smoothed by the
+        # step: a corrector solved only to that share leaves noise in them that fails
+        # the error test step after step (the transistor amplifier stalls at any
+        # tolerance), so it is solved as tightly as RADAU5 solves its stages.
+        ode = self.mass_matrix is None
+        kappa = hairer_kappa(tol.rtol, dt)
+        if ode:
+            kappa = jnp.maximum(kappa, NEWTON_SHARE / error_const[q])
 
         def norm(dz, z):
             scale = tol.atol + tol.rtol * jnp.abs(y_c[:size])
@@ -358,9 +358,8 @@ class BDF(AbstractMethod):
             scale0 = jnp.where(reuse, 2 / (1 + ratio_c), 1)
             # The last corrector's rate judges the first iteration only with the same
             # factors (fresh ones start unjudged, as in CVODE), never as faster than
-            # `NEWTON_ETA_MIN`, and only for an ODE.
-            carried = reuse & (self.mass_matrix is None)
-            eta0 = jnp.where(carried, jnp.maximum(mem.eta, NEWTON_ETA_MIN), 1)
+            # `NEWTON_ETA_MIN`.
+            eta0 = jnp.where(reuse & ode, jnp.maximum(mem.eta, NEWTON_ETA_MIN), 1)
 
             def solve_with(factors, scale=1):
                 return lambda b: scale * solver.solve_factors(factors, b)

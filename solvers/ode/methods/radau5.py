@@ -42,7 +42,7 @@ from implicitdiff.linear_solve import LinearSolver
 
 from ..mass import MassMatrix, apply_mass
 from ._base import AbstractMethod, StageTolerance, after, jacobian_product
-from ._newton import simplified_newton
+from ._newton import hairer_kappa, simplified_newton
 
 __all__ = ["Radau5", "NEWTON_ITERS"]
 
@@ -238,8 +238,7 @@ class Radau5(AbstractMethod):
             rhs_im = fw[:, 2] - (shift_im * mw[:, 1] + shift_re * mw[:, 2])
             return jnp.concatenate([d_real[:, None], pair_solve(rhs_re, rhs_im)], axis=1)
 
-        eps = float(jnp.finfo(dt).eps)
-        kappa = max(10 * eps / tol.rtol, min(0.03, tol.rtol**0.5))
+        kappa = hairer_kappa(tol.rtol, dt)
 
         def newton(res, z0):
             w, conv, _, _ = simplified_newton(
