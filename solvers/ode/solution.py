@@ -135,7 +135,8 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params, steps=None):
     (flat, one row per node), `steps` the number of steps taken (the nodes after the
     last repeat the end). Returns an array `(len(ts) - 1, powers, n)` for the steps
     between consecutive nodes: the same interpolant as `odeint(interpolate=True)`
-    (`interpolation.step_coefficients`), with the stages recomputed from the nodes.
+    (`interpolation.step_coefficients`), with the stages recomputed from the nodes
+    (radau5's by its Newton iteration from fresh factors, so to its tolerance).
 
     The rows are computed `POLYNOMIAL_CHUNK` at a time, in a `lax.scan` (differentiable
     in reverse mode, unlike a loop of unknown length) whose chunks past `steps` give
@@ -155,8 +156,9 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params, steps=None):
         h = jnp.where(empty, 1e-9 * span, h)
         k1 = f(y, t, params)
         if method.continuous_weights() is not None:
-            # The stages of a method without an iteration are recomputed exactly.
-            *_, ks = method.step_with_stages(f, y, k1, t, h, params)
+            # A fresh carry: the step keeps nothing of the solve (radau5's factors).
+            carry = method.initial_carry(y, k1)
+            *_, ks = method.step_with_stages(f, y, carry, t, h, params)
             k_next = f(y1, t1, params)
         elif method.interpolation is None:
             # Cubic Hermite: only the derivatives at both ends are used.

@@ -5,15 +5,19 @@ test_odeint_structured.py; every transformation in test_odeint.py)."""
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from implicitdiff import linear_solve
 from solvers import odeint
-from solvers.ode.methods import Radau5, StageTolerance, radau5
+from solvers.ode import CheckpointAdjoint
+from solvers.ode.adjoints import sweep
+from solvers.ode.methods import Radau5, StageTolerance, _reuse, radau5
 
-from .stiff_problems import batch_script
+from .stiff_problems import PROBLEMS, batch_script
+from .test_odeint_stiff import REFS, _loss, _point, _rel
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -52,7 +56,7 @@ def test_local_error_is_of_order_six(x64):
     y0 = _exact(t0)[None]
     errors = []
     for h in (0.2, 0.1, 0.05):
-        y1 = m.step(f, y0, f(y0, t0, ()), t0, h, (), tol=tol)[0]
+        y1 = m.step(f, y0, m.initial_carry(y0, f(y0, t0, ())), t0, h, (), tol=tol)[0]
         errors.append(abs(float(y1[0] - _exact(t0 + h))))
     ratios = [errors[0] / errors[1], errors[1] / errors[2]]
     assert all(50 < r < 80 for r in ratios), (errors, ratios)
@@ -68,7 +72,8 @@ def test_stiff_component_decays_in_one_step(x64):
 
     y0 = jnp.array([5.0])
     tol = StageTolerance(rtol=1e-10, atol=1e-10)
-    y1, _, _, ok = Radau5().step(f, y0, f(y0, 0.0, ()), 0.0, 1.0, (), tol=tol)
+    m = Radau5()
+    y1, _, _, ok = m.step(f, y0, m.initial_carry(y0, f(y0, 0.0, ())), 0.0, 1.0, (), tol=tol)
     assert bool(ok)
     # The slow solution is cos t + O(1e-8); the step's own error on it is about 1e-7.
     assert abs(float(y1[0]) - np.cos(1.0)) < 1e-6
@@ -126,8 +131,6 @@ def test_complex_pair_solved_either_way_gives_the_same_solution(x64):
     solver) and as the real system of twice the size (a solver of real systems only):
     the same steps, states and gradient to rounding, on a Brusselator line with a
     banded solver. (Dense's complex path is checked by every radau5 reference test.)"""
-    import jax
-
     n = 8
 
     def line(y, t, p):  # the Brusselator, each point's (u, v) stored together
@@ -154,3 +157,111 @@ def test_complex_pair_solved_either_way_gives_the_same_solution(x64):
     assert steps_real == steps > 10
     np.testing.assert_allclose(ys_real, ys, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grad_real, grad, rtol=1e-8)
+
+
+def _counts(info):
+    return int(info.steps) + int(info.rejected), int(info.num_factorisations)
+
+
+def test_factors_reused_while_the_step_size_holds(x64, monkeypatch):
+    """On the Brusselator of 16 points (32 states) at rtol 1e-8, a step whose size the
+    controller kept reuses the last step's two factorisations: fewer than half as many
+    as one pair per attempt (a third here), each pair with its Jacobian, for the same
+    solution within the tolerance (and SciPy's Radau reference)."""
+    prob = PROBLEMS["bruss16"]
+    rtol = 1e-8
+
+    def f(y, t, p):
+        return prob["f"](y, t, p, jnp)
+
+    def solve():
+        ys, info = odeint(
+            f, jnp.asarray(prob["y0"]), jnp.asarray(prob["ts"]), jnp.asarray(prob["p"]),
+            method="radau5", rtol=rtol, atol=rtol * prob["atol_factor"], return_info=True,
+        )  # fmt: skip
+        return float(jnp.sum(ys[1:] * jnp.asarray(prob["w"]))), info
+
+    loss, info = solve()
+    attempts, factorisations = _counts(info)
+    assert int(info.num_jacobians) * 2 == factorisations
+    assert factorisations < 0.5 * 2 * attempts, (factorisations, attempts)
+    monkeypatch.setattr(_reuse, "REUSE_MIN_STATES", 10**9)  # one pair per attempt
+    loss_fresh, info_fresh = solve()
+    assert _counts(info_fresh)[1] == 2 * _counts(info_fresh)[0]
+    ref = REFS["bruss16"]["loss"]
+    steps = int(info.steps)
+    assert abs(loss - ref) < 10 * steps * rtol * abs(ref)
+    assert abs(loss - loss_fresh) < 10 * steps * rtol * abs(ref)
+
+
+def _forced_reuse_on_rober(monkeypatch):
+    """ROBER's loss at rtol 1e-8 with reuse forced (3 states, below
+    `REUSE_MIN_STATES`), its gradient at the reference point and its step count."""
+    monkeypatch.setattr(_reuse, "REUSE_MIN_STATES", 1)
+    rtol = 1e-8
+    loss, steps = _loss("rober", rtol, "radau5")
+    p, y0 = _point("rober")
+    gp, gy = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, y0)
+    return loss, (p, y0), (gp, gy), int(jax.jit(steps)(p, y0)), rtol
+
+
+def test_reused_factors_give_the_gradient_in_both_modes(x64, monkeypatch):
+    """Reuse forced on ROBER: it reuses (fewer than half the factorisations of one pair
+    per attempt), the gradient matches central differences of SciPy's Radau at 1e-12,
+    and forward mode repeats it to rounding."""
+    loss, (p, y0), (gp, gy), n, rtol = _forced_reuse_on_rober(monkeypatch)
+    prob = PROBLEMS["rober"]
+    info = odeint(
+        lambda y, t, p: prob["f"](y, t, p, jnp), y0, jnp.asarray(prob["ts"]), p,
+        method="radau5", rtol=rtol, atol=rtol * prob["atol_factor"], return_info=True,
+    )[1]  # fmt: skip
+    attempts, factorisations = _counts(info)
+    assert factorisations < 0.5 * 2 * attempts, (factorisations, attempts)
+    ref = REFS["rober"]
+    bound = 10 * n * rtol
+    assert _rel(gp, ref["grad_p"]) < bound, (_rel(gp, ref["grad_p"]), bound)
+    assert _rel(gy, ref["grad_y0"]) < bound, (_rel(gy, ref["grad_y0"]), bound)
+    fp, fy = jax.jit(jax.jacfwd(loss, argnums=(0, 1)))(p, y0)
+    np.testing.assert_allclose(fp, gp, rtol=1e-9, atol=1e-12 * np.max(np.abs(gp)))
+    np.testing.assert_allclose(fy, gy, rtol=1e-9, atol=1e-12 * np.max(np.abs(gy)))
+
+
+@pytest.mark.slow
+def test_reused_factors_under_vmap_and_a_segmented_replay(x64, monkeypatch):
+    """Reuse forced on ROBER: `vmap` of the gradient (each element deciding its own
+    reuse) and a checkpointed replay in segments of 32 steps, linearised eight at a
+    time (the replays start from the recorded factors), repeat the gradient."""
+    loss, (p, y0), (gp, _), n, rtol = _forced_reuse_on_rober(monkeypatch)
+    ps = jnp.stack([p, p * jnp.array([1.01, 1.0, 0.99])])
+    batched = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))(ps, y0)
+    one = jax.jit(jax.grad(loss))(ps[1], y0)
+    np.testing.assert_allclose(batched[0], gp, rtol=1e-10, atol=1e-14 * np.max(np.abs(gp)))
+    np.testing.assert_allclose(batched[1], one, rtol=1e-10, atol=1e-14 * np.max(np.abs(one)))
+    monkeypatch.setattr(sweep, "LINEARIZE_MIN_STATES", 1)
+    seg_loss, _ = _loss("rober", rtol, "radau5", adjoint=CheckpointAdjoint(1024, checkpoints=32))
+    assert n > 2 * 32
+    gs = jax.jit(jax.grad(seg_loss))(p, y0)
+    np.testing.assert_allclose(gs, gp, rtol=1e-10, atol=1e-14 * np.max(np.abs(gp)))
+
+
+@pytest.mark.slow
+def test_a_krylov_solver_prepares_every_step(x64):
+    """A solver that keeps no factors (GMRES, the complex system as a real one of twice
+    the size) prepares both systems at every attempt, and solves as the dense LU does
+    (the Brusselator of 16 points, 32 states)."""
+    prob = PROBLEMS["bruss16"]
+    rtol = 1e-6
+
+    def solve(method):
+        return odeint(
+            lambda y, t, p: prob["f"](y, t, p, jnp), jnp.asarray(prob["y0"]),
+            jnp.asarray(prob["ts"]), jnp.asarray(prob["p"]), method=method, rtol=rtol,
+            atol=rtol * prob["atol_factor"], return_info=True,
+        )  # fmt: skip
+
+    krylov = Radau5(linear_solver=linear_solve.GMRES(rtol=1e-12, throw=False))
+    ys, info = solve(krylov)
+    attempts, factorisations = _counts(info)
+    assert factorisations == 2 * attempts and int(info.num_jacobians) == attempts
+    ys_dense, _ = solve("radau5")
+    np.testing.assert_allclose(ys, ys_dense, rtol=1e-4)

@@ -32,6 +32,7 @@ from ._base import (
     select,
 )
 from ._esdirk import ESDIRK
+from ._reuse import FactorMemory
 from ._rosenbrock import Rosenbrock, RosenbrockTableau
 from ._runge_kutta import ExplicitRungeKutta, TableauMethod
 from .bdf import BDF, BDFCarry
@@ -40,7 +41,7 @@ from .dopri5 import Dopri5
 from .dopri8 import Dopri8
 from .euler import Euler
 from .kvaerno5 import Kvaerno5
-from .radau5 import Radau5
+from .radau5 import Radau5, Radau5Carry
 from .rk4 import RK4
 from .rodas4 import Rodas4
 from .rodas5p import Rodas5P
@@ -65,6 +66,8 @@ __all__ = [
     "Dopri8",
     "Kvaerno5",
     "Radau5",
+    "Radau5Carry",
+    "FactorMemory",
     "BDF",
     "BDFCarry",
     "Rodas5P",

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from implicitdiff.internal import any_over_batch
+
 from .. import controller
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "after",
     "combine_carry",
     "jacobian_product",
+    "keep_or_compute",
     "lower_triangle",
     "partition_carry",
     "select",
@@ -97,6 +100,16 @@ def select(which, a, b):
         return jnp.where(w, x, y)
 
     return jax.tree_util.tree_map(one, a, b)
+
+
+def keep_or_compute(keep, kept, compute):
+    """`kept` where `keep` (a scalar bool, batched under `vmap`), else `compute()`, a
+    pytree like `kept`: a factorisation kept from an earlier step, or a fresh one.
+
+    Under `vmap` a `cond` on a batched predicate runs both branches, so the predicate
+    of this one is whether any element of the batch needs `compute`: it runs once for
+    the batch, and only then."""
+    return jax.lax.cond(any_over_batch(~keep), lambda: select(keep, kept, compute()), lambda: kept)
 
 
 def jacobian_product(f, y, t, params):

@@ -44,12 +44,18 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from implicitdiff import custom_root, linear_solve
-from implicitdiff.internal import any_over_batch
 from implicitdiff.linear_solve import LinearSolver
 
 from .._small import small_product
 from ..mass import MassMatrix, apply_mass
-from ._base import AbstractMethod, Memory, StageTolerance, after, jacobian_product, select
+from ._base import (
+    AbstractMethod,
+    Memory,
+    StageTolerance,
+    after,
+    jacobian_product,
+    keep_or_compute,
+)
 from ._newton import hairer_kappa, simplified_newton
 
 __all__ = [
@@ -348,13 +354,7 @@ class BDF(AbstractMethod):
 
             ratio_c = c_c / jnp.where(mem.c != 0, mem.c, 1)
             reuse = (mem.c != 0) & (jnp.abs(ratio_c - 1) <= REUSE_CHANGE) & (mem.age < REUSE_STEPS)
-            # Under `vmap` a `cond` on a batched predicate runs both branches: the
-            # factorisation runs once for the batch, only when some element needs it.
-            factors0 = jax.lax.cond(
-                any_over_batch(~reuse),
-                lambda: select(reuse, mem.factors, solver.factors(fresh_state())),
-                lambda: mem.factors,
-            )
+            factors0 = keep_or_compute(reuse, mem.factors, lambda: solver.factors(fresh_state()))
             scale0 = jnp.where(reuse, 2 / (1 + ratio_c), 1)
             # The last corrector's rate judges the first iteration only with the same
             # factors (fresh ones start unjudged, as in CVODE), never as faster than
@@ -375,9 +375,7 @@ class BDF(AbstractMethod):
                 return z, conv, iters, factors0, (~reuse).astype(jnp.int32), eta
 
             retry = ~conv & reuse
-            z, conv, iters, factors, work, eta = jax.lax.cond(
-                any_over_batch(retry), lambda: select(retry, again(), keep()), keep
-            )
+            z, conv, iters, factors, work, eta = keep_or_compute(~retry, keep(), again)
             return z, (conv, iters.astype(jnp.int32), factors, work, eta)
 
         if end is None:
@@ -390,13 +388,8 @@ class BDF(AbstractMethod):
             def solve(res, z0):
                 zero = jnp.zeros((), jnp.int32)
 
-                def given():
-                    return y1_end, (jnp.ones((), bool), zero, mem.factors, zero, mem.eta)
-
-                def either():
-                    return select(known, given(), iterate(res, z0))
-
-                return jax.lax.cond(any_over_batch(~known), either, given)
+                given = y1_end, (jnp.ones((), bool), zero, mem.factors, zero, mem.eta)
+                return keep_or_compute(known, given, lambda: iterate(res, z0))
 
         y1, aux = custom_root(residual, y_pred, solve, solver, has_aux=True)
         ok, iters, factors, work, eta = stat(aux)

@@ -11,10 +11,12 @@ is stiffly accurate and L-stable). The simplified Newton iteration works on the
 transformed increments `W = (T^-1 x I) Z`, with `T^-1 A^-1 T` block diagonal: one
 real eigenvalue and a complex pair of `A^-1` (Solving ODEs II, IV.8). Its matrix
 `(h^-1 A^-1 x I - I x J)` then splits into a real `n x n` system `(gamma / h - J)` and
-a complex one `((alpha - i beta) / h - J)`, each prepared once per step by the
+a complex one `((alpha - i beta) / h - J)`, each prepared at the step's start by the
 method's linear solver: the direct solvers factor the complex one in complex
 arithmetic, the others solve it as a real system on `(n, 2)` arrays (real and
-imaginary parts side by side).
+imaginary parts side by side). From `_reuse.REUSE_MIN_STATES` states on, a step of
+the last one's size reuses its factors when its iteration contracted fast (RADAU5's
+rule, see `solvers.ode.methods._reuse`).
 
 The stage equations go through `implicitdiff.custom_root`: differentiating a step
 (the checkpointed adjoint, forward sensitivities) uses the implicit function theorem
@@ -33,18 +35,21 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
 from ..mass import MassMatrix, apply_mass
+from . import _reuse
 from ._base import AbstractMethod, StageTolerance, after, jacobian_product
 from ._newton import hairer_kappa, simplified_newton
 
-__all__ = ["Radau5", "NEWTON_ITERS"]
+__all__ = ["NEWTON_ITERS", "Radau5", "Radau5Carry"]
 
 #: The most simplified Newton iterations of one step.
 NEWTON_ITERS = 10
@@ -105,41 +110,106 @@ def _mix(m: np.ndarray, z):
     return jnp.stack(cols, axis=1)
 
 
-def _pair_solver(solver: LinearSolver, jvp, mass, shift_re, shift_im, n: int, dt):
-    """Prepare the complex system `((shift_re + i shift_im) M - J) x = b` once, and
-    return `solve(b_re, b_im) -> (n, 2)`, the real and imaginary parts of `x` side by
-    side.
+class _Systems:
+    """The two linear systems of the iteration, `(gamma / h M - J) x = b` (real) and
+    `((alpha - i beta) / h M - J) x = b` (complex), as `solver` prepares and solves
+    them.
 
     A solver that takes complex systems (`LinearSolver.solves_complex`: the direct
     ones) factors the `n x n` complex matrix, with `J` applied to the real and
     imaginary parts of a vector; one of real systems only, or a state of a precision
     with no complex type (16-bit floats), solves the equivalent real system on `(n, 2)`
-    arrays (`solver.coupled(2)`), twice the size, and for a band twice the width."""
-    if solver.solves_complex and jnp.dtype(dt) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
-        shift = jax.lax.complex(jnp.asarray(shift_re, dt), jnp.asarray(shift_im, dt))
+    arrays (`solver.coupled(2)`), twice the size, and for a band twice the width.
 
-        def matrix(v):
-            return shift * mass(v) - jax.lax.complex(jvp(v.real), jvp(v.imag))
+    A step prepares them as the two factorisations when the solver keeps factors
+    (`keeps`), which a later step may reuse (`solvers.ode.methods._reuse`), else as
+    the two states.
+    """
 
-        like = jnp.zeros(n, shift.dtype)
-        state = jax.lax.stop_gradient(solver.init(matrix, like))
+    def __init__(self, solver: LinearSolver, mass, n: int, dt):
+        self.solver, self.mass, self.n, self.dt = solver, mass, n, dt
+        self.complex = solver.solves_complex and jnp.dtype(dt) in (
+            jnp.dtype(jnp.float32),
+            jnp.dtype(jnp.float64),
+        )
+        self.pair_solver = solver if self.complex else solver.coupled(2)
+        real, pair = self._states(lambda v: v, 1.0, 1.0, 0.0, shapes_only=True)
+        self.factor_shapes = (solver.factors(real), self.pair_solver.factors(pair))
+        self.keeps = self.factor_shapes[0] is not None
+        #: Whether a step hands its factors to the next.
+        self.reuses = self.keeps and n >= _reuse.REUSE_MIN_STATES
 
-        def solve(b_re, b_im):
-            x = solver.solve(state, jax.lax.complex(b_re, b_im))
+    def _states(self, jvp, shift_real, shift_re, shift_im, shapes_only=False):
+        """The solvers' states of the two systems (with `shapes_only`, their shapes,
+        computing nothing)."""
+        solver, mass, n, dt = self.solver, self.mass, self.n, self.dt
+
+        def real_matrix(v):
+            return shift_real * mass(v) - jvp(v)
+
+        def init(solver, matrix, like):
+            if shapes_only:
+                return jax.eval_shape(lambda: solver.init(matrix, like))
+            return jax.lax.stop_gradient(solver.init(matrix, like))
+
+        real = init(solver, real_matrix, jnp.zeros(n, dt))
+        if not shapes_only:
+            # The second preparation waits for the first (see `after`).
+            shift_re, shift_im = after((shift_re, shift_im), real)
+        if self.complex:
+            shift = jax.lax.complex(jnp.asarray(shift_re, dt), jnp.asarray(shift_im, dt))
+
+            def matrix(v):
+                return shift * mass(v) - jax.lax.complex(jvp(v.real), jvp(v.imag))
+
+            pair = init(solver, matrix, jnp.zeros(n, shift.dtype))
+        else:
+
+            def matrix(v):  # the same operator on (re, im) columns
+                mv = mass(v)
+                re, im = mv[:, 0], mv[:, 1]
+                out_re = shift_re * re - shift_im * im - jvp(v[:, 0])
+                out_im = shift_im * re + shift_re * im - jvp(v[:, 1])
+                return jnp.stack([out_re, out_im], axis=1)
+
+            pair = init(self.pair_solver, matrix, jnp.zeros((n, 2), dt))
+        return real, pair
+
+    def prepare(self, jvp, shift_real, shift_re, shift_im):
+        """The two systems with `J v = jvp(v)`: their factors, or their states."""
+        real, pair = self._states(jvp, shift_real, shift_re, shift_im)
+        if self.keeps:
+            return self.solver.factors(real), self.pair_solver.factors(pair)
+        return real, pair
+
+    def solve_real(self, prepared, b):
+        if self.keeps:
+            return self.solver.solve_factors(prepared[0], b)
+        return self.solver.solve(prepared[0], b)
+
+    def solve_pair(self, prepared, b_re, b_im):
+        """The complex system's solution for `b_re + i b_im`, as `(n, 2)`: the real and
+        imaginary parts side by side."""
+        pair, solver = prepared[1], self.pair_solver
+        if self.complex:
+            b = jax.lax.complex(b_re, b_im)
+            x = solver.solve_factors(pair, b) if self.keeps else solver.solve(pair, b)
             return jnp.stack([x.real, x.imag], axis=1)
+        b = jnp.stack([b_re, b_im], axis=1)
+        return solver.solve_factors(pair, b) if self.keeps else solver.solve(pair, b)
 
-        return solve
 
-    def real_form(v):  # the same operator on (re, im) columns
-        mv = mass(v)
-        re, im = mv[:, 0], mv[:, 1]
-        out_re = shift_re * re - shift_im * im - jvp(v[:, 0])
-        out_im = shift_im * re + shift_re * im - jvp(v[:, 1])
-        return jnp.stack([out_re, out_im], axis=1)
+class Radau5Carry(eqx.Module):
+    """What `Radau5` hands from one accepted step to the next.
 
-    pair_solver = solver.coupled(2)
-    state = jax.lax.stop_gradient(pair_solver.init(real_form, jnp.zeros((n, 2), dt)))
-    return lambda b_re, b_im: pair_solver.solve(state, jnp.stack([b_re, b_im], axis=1))
+    Attributes:
+        k: `f` at the step's end.
+        memory: the step's factors, for the next step to reuse (`_reuse.FactorMemory`),
+            or `None` for a small system or a solver that keeps no factors.
+    """
+
+    k: Float[Array, ...]
+    memory: _reuse.FactorMemory | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,30 +267,58 @@ class Radau5(AbstractMethod):
         w[3:] = _collocation_weights()
         return w
 
-    def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
+    def _systems(self, n: int, dt) -> _Systems:
+        mass = lambda v: apply_mass(self.mass_matrix, v)  # noqa: E731
+        return _Systems(self.linear_solver, mass, n, dt)
+
+    def initial_carry(self, y0, k0):
+        systems = self._systems(y0.shape[0], y0.dtype)
+        memory = None
+        if systems.reuses:
+            memory = _reuse.FactorMemory.empty(systems.factor_shapes, y0.dtype)
+        return Radau5Carry(k=k0, memory=memory)
+
+    def slope(self, carry: Radau5Carry):
+        return carry.k
+
+    def attempt_work(self, carry1: Radau5Carry):
+        if carry1.memory is None:
+            return super().attempt_work(carry1)
+        work = carry1.memory.work
+        return work, 2 * work
+
+    def next_size(self, h_step, ratio, good, accept, carry1: Radau5Carry, last=None):
+        h_new = super().next_size(h_step, ratio, good, accept, carry1, last)
+        if carry1.memory is None:
+            return h_new
+        return _reuse.hold(h_new, h_step, accept, carry1.memory)
+
+    def step_with_stages(self, f, y, carry: Radau5Carry, t, h, params, *, tol=None):
         tol = tol or StageTolerance()
         n, dt = y.shape[0], y.dtype
         h = jnp.asarray(h, dt)
         size = n if tol.size is None else tol.size
         nonzero = h != 0
         inv_h = jnp.where(nonzero, 1 / jnp.where(nonzero, h, 1), 0)
-        solver = self.linear_solver
-        # The iteration matrices from Jacobian-vector products at the step's start.
-        # They only steer the iteration (its derivative is implicit) and the error
-        # estimate, so no gradient flows through them.
-        y_c, p_c = jax.lax.stop_gradient((y, params))
-        jvp = jacobian_product(f, y_c, t, p_c)
+        k1, memory = carry.k, carry.memory
+        stat = jax.lax.stop_gradient
+        systems = self._systems(n, dt)
+        mass = systems.mass
+        # The iteration matrices, from Jacobian-vector products at the step's start (or
+        # the last step's factors, see `_reuse`). They only steer the iteration (its
+        # derivative is implicit) and the error estimate, so no gradient flows
+        # through them.
+        y_c, p_c = stat((y, params))
         shift_real = _GAMMA * inv_h
         shift_re, shift_im = _ALPHA * inv_h, -_BETA * inv_h
-        mass = lambda v: apply_mass(self.mass_matrix, v)  # noqa: E731
 
-        def real_matrix(v):
-            return shift_real * mass(v) - jvp(v)
+        def fresh():
+            return systems.prepare(jacobian_product(f, y_c, t, p_c), shift_real, shift_re, shift_im)
 
-        lu_real = jax.lax.stop_gradient(solver.init(real_matrix, y))
-        # The second preparation waits for the first (see `after`).
-        shift_re, shift_im = after((shift_re, shift_im), lu_real)
-        pair_solve = _pair_solver(solver, jvp, mass, shift_re, shift_im, n, dt)
+        if memory is None:
+            prepared, work = fresh(), None
+        else:
+            prepared, work = _reuse.prepare_or_reuse(memory, h, fresh)
 
         def stage_fields(z):
             return jnp.stack([f(y + z[:, i], t + C[i] * h, params) for i in range(3)], axis=1)
@@ -233,15 +331,16 @@ class Radau5(AbstractMethod):
         def correction(w):
             fw = _mix(T_INV, stage_fields(_mix(T, w)))
             mw = mass(w)
-            d_real = solver.solve(lu_real, fw[:, 0] - shift_real * mw[:, 0])
+            d_real = systems.solve_real(prepared, fw[:, 0] - shift_real * mw[:, 0])
             rhs_re = fw[:, 1] - (shift_re * mw[:, 1] - shift_im * mw[:, 2])
             rhs_im = fw[:, 2] - (shift_im * mw[:, 1] + shift_re * mw[:, 2])
-            return jnp.concatenate([d_real[:, None], pair_solve(rhs_re, rhs_im)], axis=1)
+            pair = systems.solve_pair(prepared, rhs_re, rhs_im)
+            return jnp.concatenate([d_real[:, None], pair], axis=1)
 
         kappa = hairer_kappa(tol.rtol, dt)
 
         def newton(res, z0):
-            w, conv, _, _ = simplified_newton(
+            w, conv, eta, iters = simplified_newton(
                 correction,
                 _mix(T_INV, z0),
                 norm,
@@ -249,32 +348,38 @@ class Radau5(AbstractMethod):
                 max_iters=NEWTON_ITERS,
                 eta0=1.0,
             )
-            return _mix(T, w), conv
+            return _mix(T, w), (conv, _reuse.contraction(eta, iters))
 
         def residual(z):
             return mass(z) - h * _mix(A, stage_fields(z))
 
         z0 = jnp.zeros((n, 3), dt)
-        z, ok = custom_root(residual, z0, newton, solver.coupled(3), has_aux=True)
+        z, (ok, theta) = custom_root(
+            residual, z0, newton, self.linear_solver.coupled(3), has_aux=True
+        )
         y1 = y + z[:, 2]
         k_next = f(y1, t + h, params)
-        err = self._error(f, y_c, t, p_c, jax.lax.stop_gradient((k1, z)), inv_h, lu_real, tol)
+        err = self._error(f, y_c, t, p_c, stat((k1, z)), inv_h, systems, prepared, tol)
         ks = [z[:, i] * inv_h for i in range(3)]
-        return y1, err, k_next, ok, ks
+        if memory is not None:
+            memory = _reuse.FactorMemory(
+                factors=prepared, h=stat(h), theta=stat(theta).astype(memory.theta.dtype),
+                work=work,
+            )  # fmt: skip
+        return y1, err, Radau5Carry(k=k_next, memory=memory), ok, ks
 
-    def _error(self, f, y, t, params, k1_z, inv_h, lu_real, tol):
+    def _error(self, f, y, t, params, k1_z, inv_h, systems, prepared, tol):
         """Hairer's error estimate, refined by one more solve where it exceeds the
         tolerance (see the module)."""
         k1, z = k1_z
-        solver = self.linear_solver
         ze = apply_mass(self.mass_matrix, _mix(E[None], z)[:, 0] * inv_h)
-        err = solver.solve(lu_real, k1 + ze)
+        err = systems.solve_real(prepared, k1 + ze)
         size = y.shape[0] if tol.size is None else tol.size
         y1 = y + z[:, 2]
         w = tol.atol + tol.rtol * jnp.maximum(jnp.abs(y[:size]), jnp.abs(y1[:size]))
         big = jnp.sqrt(jnp.mean(jnp.square(err[:size] / w))) > 1
 
         def refine(err):
-            return solver.solve(lu_real, f(y + err, t, params) + ze)
+            return systems.solve_real(prepared, f(y + err, t, params) + ze)
 
         return jax.lax.cond(big, refine, lambda e: e, err)
