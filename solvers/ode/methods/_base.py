@@ -50,6 +50,7 @@ __all__ = [
     "StageTolerance",
     "after",
     "combine_carry",
+    "factor_shapes",
     "jacobian_product",
     "keep_or_compute",
     "lower_triangle",
@@ -110,6 +111,14 @@ def keep_or_compute(keep, kept, compute):
     of this one is whether any element of the batch needs `compute`: it runs once for
     the batch, and only then."""
     return jax.lax.cond(any_over_batch(~keep), lambda: select(keep, kept, compute()), lambda: kept)
+
+
+def factor_shapes(solver, shape, dtype):
+    """The shapes (`jax.ShapeDtypeStruct`s) of `solver.factors` for a system on arrays
+    of `shape` and `dtype`, found without factoring anything, or `None` for a solver
+    that keeps no factors: what a method's first carry holds in their place."""
+    state = jax.eval_shape(lambda: solver.init(lambda v: v, jnp.zeros(shape, dtype)))
+    return solver.factors(state)
 
 
 def jacobian_product(f, y, t, params):

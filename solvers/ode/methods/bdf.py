@@ -53,6 +53,7 @@ from ._base import (
     Memory,
     StageTolerance,
     after,
+    factor_shapes,
     jacobian_product,
     keep_or_compute,
 )
@@ -237,9 +238,9 @@ class BDF(AbstractMethod):
             k0 = self.mass_matrix.pseudo_solve(k0)
         d = jnp.zeros((MAX_ORDER + 3,) + y0.shape, dt).at[0].set(y0).at[1].set(k0)
         one = jnp.ones((), dt)
-        # Factors of the right shapes (of the identity), marked unusable by c = 0.
-        solver = self.linear_solver
-        factors = solver.factors(jax.lax.stop_gradient(solver.init(lambda v: v, y0)))
+        # Zeros of the factors' shapes, marked unusable by c = 0.
+        shapes = factor_shapes(self.linear_solver, y0.shape, dt)
+        factors = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         memory = BDFMemory(
             h=one, order=one, order_used=one, n_equal=0 * one, grow=one, safety=one,
             eta=one, factors=factors, c=0 * one, age=jnp.zeros((), jnp.int32),

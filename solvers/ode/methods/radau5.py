@@ -46,7 +46,7 @@ from implicitdiff.linear_solve import LinearSolver
 
 from ..mass import MassMatrix, apply_mass
 from . import _reuse
-from ._base import AbstractMethod, StageTolerance, after, jacobian_product
+from ._base import AbstractMethod, StageTolerance, after, factor_shapes, jacobian_product
 from ._newton import hairer_kappa, simplified_newton
 
 __all__ = ["NEWTON_ITERS", "Radau5", "Radau5Carry"]
@@ -133,36 +133,33 @@ class _Systems:
             jnp.dtype(jnp.float64),
         )
         self.pair_solver = solver if self.complex else solver.coupled(2)
-        real, pair = self._states(lambda v: v, 1.0, 1.0, 0.0, shapes_only=True)
-        self.factor_shapes = (solver.factors(real), self.pair_solver.factors(pair))
+        pair_like = ((n,), jnp.result_type(dt, jnp.complex64)) if self.complex else ((n, 2), dt)
+        self.factor_shapes = (
+            factor_shapes(solver, (n,), dt),
+            factor_shapes(self.pair_solver, *pair_like),
+        )
         self.keeps = self.factor_shapes[0] is not None
         #: Whether a step hands its factors to the next.
         self.reuses = self.keeps and n >= _reuse.REUSE_MIN_STATES
 
-    def _states(self, jvp, shift_real, shift_re, shift_im, shapes_only=False):
-        """The solvers' states of the two systems (with `shapes_only`, their shapes,
-        computing nothing)."""
+    def prepare(self, jvp, shift_real, shift_re, shift_im):
+        """The two systems with `J v = jvp(v)`: their factors when the solver keeps
+        factors, else their states."""
         solver, mass, n, dt = self.solver, self.mass, self.n, self.dt
 
         def real_matrix(v):
             return shift_real * mass(v) - jvp(v)
 
-        def init(solver, matrix, like):
-            if shapes_only:
-                return jax.eval_shape(lambda: solver.init(matrix, like))
-            return jax.lax.stop_gradient(solver.init(matrix, like))
-
-        real = init(solver, real_matrix, jnp.zeros(n, dt))
-        if not shapes_only:
-            # The second preparation waits for the first (see `after`).
-            shift_re, shift_im = after((shift_re, shift_im), real)
+        real = jax.lax.stop_gradient(solver.init(real_matrix, jnp.zeros(n, dt)))
+        # The second preparation waits for the first (see `after`).
+        shift_re, shift_im = after((shift_re, shift_im), real)
         if self.complex:
             shift = jax.lax.complex(jnp.asarray(shift_re, dt), jnp.asarray(shift_im, dt))
 
             def matrix(v):
                 return shift * mass(v) - jax.lax.complex(jvp(v.real), jvp(v.imag))
 
-            pair = init(solver, matrix, jnp.zeros(n, shift.dtype))
+            like = jnp.zeros(n, shift.dtype)
         else:
 
             def matrix(v):  # the same operator on (re, im) columns
@@ -172,31 +169,27 @@ class _Systems:
                 out_im = shift_im * re + shift_re * im - jvp(v[:, 1])
                 return jnp.stack([out_re, out_im], axis=1)
 
-            pair = init(self.pair_solver, matrix, jnp.zeros((n, 2), dt))
+            like = jnp.zeros((n, 2), dt)
+        pair = jax.lax.stop_gradient(self.pair_solver.init(matrix, like))
+        if self.keeps:
+            return solver.factors(real), self.pair_solver.factors(pair)
         return real, pair
 
-    def prepare(self, jvp, shift_real, shift_re, shift_im):
-        """The two systems with `J v = jvp(v)`: their factors, or their states."""
-        real, pair = self._states(jvp, shift_real, shift_re, shift_im)
+    def _solve(self, solver, prepared, b):
         if self.keeps:
-            return self.solver.factors(real), self.pair_solver.factors(pair)
-        return real, pair
+            return solver.solve_factors(prepared, b)
+        return solver.solve(prepared, b)
 
     def solve_real(self, prepared, b):
-        if self.keeps:
-            return self.solver.solve_factors(prepared[0], b)
-        return self.solver.solve(prepared[0], b)
+        return self._solve(self.solver, prepared[0], b)
 
     def solve_pair(self, prepared, b_re, b_im):
         """The complex system's solution for `b_re + i b_im`, as `(n, 2)`: the real and
         imaginary parts side by side."""
-        pair, solver = prepared[1], self.pair_solver
         if self.complex:
-            b = jax.lax.complex(b_re, b_im)
-            x = solver.solve_factors(pair, b) if self.keeps else solver.solve(pair, b)
+            x = self._solve(self.pair_solver, prepared[1], jax.lax.complex(b_re, b_im))
             return jnp.stack([x.real, x.imag], axis=1)
-        b = jnp.stack([b_re, b_im], axis=1)
-        return solver.solve_factors(pair, b) if self.keeps else solver.solve(pair, b)
+        return self._solve(self.pair_solver, prepared[1], jnp.stack([b_re, b_im], axis=1))
 
 
 class Radau5Carry(eqx.Module):
