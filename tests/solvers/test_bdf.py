@@ -174,37 +174,19 @@ def test_factorisations_are_reused_and_counted(x64):
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-9)
 
 
-def test_corrector_stops_by_the_error_test_share(x64, monkeypatch):
-    """The corrector stops once its distance to the solution would move the error
-    estimate by `NEWTON_SHARE` of the error test, its first iteration judged by the
-    last corrector's rate: on the Brusselator line (smooth in time, 128 states) most
-    steps take one Newton iteration (Hairer's test, `min(0.03, sqrt(rtol))`, with no
-    rate carried, takes 2.5), and the solution keeps SciPy's BDF accuracy at the same
-    tolerance. A DAE keeps the tight test (its guard: the transistor amplifier in
-    test_odeint_dae.py)."""
+def test_brusselator_line_as_accurate_as_scipy_bdf(x64):
+    """The Brusselator line (64 points, 128 states) at rtol 1e-6: within 3x SciPy's
+    `BDF` error at the same tolerance, against SciPy's Radau at 1e-12, with few steps
+    failing the error test."""
     points = 64
     f_np = bruss(points)
     x = np.arange(1, points + 1) / (points + 1)
     y0 = np.concatenate([1 + np.sin(2 * np.pi * x), 3 * np.ones(points)])
     p = np.array([1.0, 3.0, 0.02])
-    iterations = []
-    newton = bdf.simplified_newton
-
-    def counted(correction, *args, **kw):
-        def step(z):
-            jax.debug.callback(lambda: iterations.append(1))
-            return correction(z)
-
-        return newton(step, *args, **kw)
-
-    monkeypatch.setattr(bdf, "simplified_newton", counted)
     ys, info = odeint(
         lambda y, t, p: f_np(y, t, p, jnp), jnp.asarray(y0), jnp.array([0.0, 10.0]),
         jnp.asarray(p), method="bdf", rtol=1e-6, atol=1e-6, return_info=True,
     )  # fmt: skip
-    jax.effects_barrier()
-    attempts = int(info.steps) + int(info.rejected)
-    assert len(iterations) < 1.6 * attempts, (len(iterations), attempts)
     assert int(info.rejected) < 0.1 * int(info.steps)
     ref = solve_ivp(
         lambda t, y: f_np(y, t, p, np), (0.0, 10.0), y0, method="Radau", rtol=1e-12,
@@ -215,6 +197,32 @@ def test_corrector_stops_by_the_error_test_share(x64, monkeypatch):
     ).y[:, -1]
     err = np.max(np.abs(np.asarray(ys[-1]) - ref))
     assert err < 3 * np.max(np.abs(scipy_bdf - ref)), err
+
+
+def test_solution_is_smooth_in_the_parameters(x64):
+    """VDPOL (eps = 1e-6) at rtol 1e-8, whose loss moves with its jumps: perturbing the
+    parameters by a few roundings leaves the computed loss within 1e-6 (no decision
+    that rounding tips moves the solution by more than a small share of the
+    tolerance), so forward and reverse mode, whose programs round differently, give
+    the same derivative. (A corrector stopped at a tenth of the error test, CVODE's
+    rule, moved the loss by 1e-3 and the two modes apart by 5e-3.)"""
+    prob = PROBLEMS["vdpol"]
+    ts, w = jnp.asarray(prob["ts"]), jnp.asarray(prob["w"])
+    p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
+
+    def loss(p):
+        ys = odeint(
+            lambda y, t, p: prob["f"](y, t, p, jnp), y0, ts, p, method="bdf", rtol=1e-8,
+            atol=1e-8 * prob["atol_factor"], max_steps=16384,
+        )  # fmt: skip
+        return jnp.sum(ys[1:] * w)
+
+    nearby = jax.jit(jax.vmap(lambda k: loss(p * (1 + k * 1e-15))))(jnp.arange(8.0))
+    spread = (jnp.max(nearby) - jnp.min(nearby)) / jnp.abs(nearby[0])
+    assert spread < 1e-6, spread
+    g = jax.jit(jax.grad(loss))(p)
+    fwd = jax.jit(jax.jacfwd(loss))(p)
+    np.testing.assert_allclose(fwd, g, rtol=1e-5)
 
 
 @pytest.mark.slow
