@@ -146,11 +146,15 @@ def test_info_counts_jacobians_factorisations_and_stage_failures(x64, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["kvaerno5", "rodas5p"])
-def test_van_der_pol_derivative_converges_with_the_tolerance(x64, method):
+@pytest.mark.parametrize(
+    ("method", "first", "last", "modes"),
+    [("kvaerno5", 0.1, 2e-3, 1e-5), ("rodas5p", 0.1, 2e-3, 1e-5), ("bdf", 0.2, 5e-3, 5e-5)],
+)
+def test_van_der_pol_derivative_converges_with_the_tolerance(x64, method, first, last, modes):
     """VDPOL's jumps move with eps: d/d eps of the solution is far more sensitive to
     the discretisation than the solution itself, so its error shrinks with the
-    tolerance from a larger start (see docs/odes.md)."""
+    tolerance from a larger start (see docs/odes.md); `bdf`, of lower order, from a
+    larger one still."""
     ref = REFS["vdpol"]["grad_p"][0]
     p, y0 = _point("vdpol")
     errors = []
@@ -162,10 +166,11 @@ def test_van_der_pol_derivative_converges_with_the_tolerance(x64, method):
         # amplifies rounding (its terms scale as 1/eps^2 = 1e12): the two modes agree
         # to 1e-8 - 3e-6 here, by how the compiled program rounds (XLA's optimisations
         # on or off, the stage solves' arithmetic), against 1e-9 on the other problems
-        # and 3e-4 for the error against the reference at the tightest tolerance.
-        np.testing.assert_allclose(f, g, rtol=1e-5)
+        # and 3e-4 for the error against the reference at the tightest tolerance
+        # (`bdf`: 1e-6 to 1.2e-5).
+        np.testing.assert_allclose(f, g, rtol=modes)
         errors.append(_rel(g, [ref]))
-    assert errors[0] < 0.1 and errors[2] < 2e-3, errors
+    assert errors[0] < first and errors[2] < last, errors
     assert errors[2] < errors[1] < errors[0], errors
 
 
