@@ -175,9 +175,9 @@ def test_factorisations_are_reused_and_counted(x64):
 
 
 def test_brusselator_line_as_accurate_as_scipy_bdf(x64):
-    """The Brusselator line (64 points, 128 states) at rtol 1e-6: within 3x SciPy's
-    `BDF` error at the same tolerance, against SciPy's Radau at 1e-12, with few steps
-    failing the error test."""
+    """The Brusselator line (64 points, 128 states) at rtol 1e-6: at most SciPy's
+    `BDF` error at the same tolerance (1.6e-5 against 2.3e-5), against SciPy's Radau
+    at 1e-12, with few steps failing the error test."""
     points = 64
     f_np = bruss(points)
     x = np.arange(1, points + 1) / (points + 1)
@@ -196,17 +196,17 @@ def test_brusselator_line_as_accurate_as_scipy_bdf(x64):
         lambda t, y: f_np(y, t, p, np), (0.0, 10.0), y0, method="BDF", rtol=1e-6, atol=1e-6
     ).y[:, -1]
     err = np.max(np.abs(np.asarray(ys[-1]) - ref))
-    assert err < 3 * np.max(np.abs(scipy_bdf - ref)), err
+    assert err < np.max(np.abs(scipy_bdf - ref)), err
 
 
 def test_solution_is_smooth_in_the_parameters(x64):
     """VDPOL (eps = 1e-6) at rtol 1e-8, whose loss moves with its jumps: perturbing the
-    parameters by a few roundings leaves the computed loss within 1e-6 (no decision
-    that rounding tips moves the solution by more than a small share of the
+    parameters by up to thirty roundings leaves the computed loss within 1e-6 (no
+    decision that rounding tips moves the solution by more than a small share of the
     tolerance), so forward and reverse mode, whose programs round differently, give
     the same derivative up to the rounding that d/d eps amplifies (1e-6 to 1.2e-5 by
-    how the program is compiled). (A corrector stopped at a tenth of the error test,
-    CVODE's rule, moved the loss by 1e-3 and the two modes apart by 5e-3.)"""
+    how the program is compiled). (Stopped at a tenth of the error test, CVODE's rule,
+    the corrector moves the loss by 1e-3 and the two modes apart by 5e-3.)"""
     prob = PROBLEMS["vdpol"]
     ts, w = jnp.asarray(prob["ts"]), jnp.asarray(prob["w"])
     p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])

@@ -12,21 +12,22 @@ at the current step size, as its carry (`BDFCarry`). A step of order `q` predict
 
 by a simplified Newton iteration with the matrix `I - c J` (`J` the Jacobian at the
 prediction when the matrix is refreshed; see `BDFMemory.factors`), stopped by Hairer and
-Wanner's test far inside the error test (see `NEWTON_ITERS`). The error estimate is
-`error_const[q] (y1 - y_pred)`. After an accepted step the differences are updated;
-once `q + 1` steps have been taken at one step size and order, the errors the orders
-`q - 1` and `q + 1` would have made are estimated from the differences, and the next
-order and step size are the ones that allow the largest step (aiming at `SAFETY`
-times the error test's bound, to the power `1 / (q + 1)`). A step of another size
-rescales the differences first (an exact change of the interpolating polynomial's
-spacing).
+Wanner's test far inside the error test (`_newton.hairer_kappa`; see `NEWTON_ITERS`).
+The error estimate is `error_const[q] (y1 - y_pred)`. After an accepted step the
+differences are updated; once `q + 1` steps have been taken at one step size and order,
+the errors the orders `q - 1` and `q + 1` would have made are estimated from the
+differences, and the next order and step size are the ones that allow the largest step
+(the step scaled by `SAFETY * (1 / err) ** (1 / (q + 1))`, `err` the estimated error in
+units of the test's bound). A step of another size rescales the differences first (an
+exact change of the interpolating polynomial's spacing).
 
-The computed solution is a smooth function of the inputs wherever the controller's
-choices hold: every decision that rounding can tip (how many Newton iterations a
-corrector takes, reusing a factorisation or not) moves the solution far less than the
-tolerance. So a derivative of the solve (which holds the step sizes and orders fixed)
-is the derivative of what the solve computes nearby, and forward and reverse mode,
-whose programs round differently, agree.
+The computed solution moves smoothly with the inputs wherever the step sizes and
+orders hold: the decisions inside a step that rounding can tip (how many Newton
+iterations a corrector takes, whether the factorisation is reused) move its solution
+far less than the tolerance, and the step-size controller does not depend on them
+(`SAFETY` is constant). So a derivative of the solve (which holds the step sizes and
+orders fixed) is the derivative of what the solve computes nearby, and forward and
+reverse mode, whose programs round differently, agree.
 
 Derivatives: the corrector goes through `implicitdiff.custom_root` (the implicit
 function theorem at its solution, never the iterations), and everything else is
@@ -79,17 +80,18 @@ MAX_ORDER = 5
 #: of the implicit Runge-Kutta stages (`hairer_kappa`: `min(0.03, sqrt(rtol))` in the
 #: error test's norm, as SciPy's `BDF`), so the rounding that tips a corrector from one
 #: iteration count to the next moves its solution by a small share of the tolerance.
-#: CVODE's looser test (a tenth of the error test) halved the iterations on the
-#: Brusselator line, but then those tips moved the solution by a third of the
-#: tolerance, and on VDPOL (eps = 1e-6, rtol 1e-8) each of 32 perturbations of the
-#: parameter by 1e-15 took another sequence of steps: the loss moved by 1e-3 and
-#: forward and reverse mode differed by 5e-3. With this test: 1e-7 and 1e-8.
+#: CVODE's looser test (a tenth of the error test) would halve the iterations on the
+#: Brusselator line, but a tipped count then moves the solution by up to a third of
+#: the tolerance: on VDPOL (eps = 1e-6, rtol 1e-8) each of 32 perturbations of the
+#: parameter by 1e-15 takes its own sequence of steps, the loss moves by 1e-3 and
+#: forward and reverse mode differ by 5e-3. With this test the loss moves by 2e-7 and
+#: the two modes agree to 1e-6 to 1.2e-5 (docs/stiff.md).
 NEWTON_ITERS = 4
 #: The step-size controller's safety factor. Constant: SciPy's `BDF` lowers it after
-#: more Newton iterations, and a corrector tipped from one count to the next by
-#: rounding then changed the next step by 8% (on VDPOL, one perturbation in five took
-#: another sequence of steps). At 0.7 and above, more steps fail the error test and
-#: the sequences split again; at 0.6, more steps for no gain.
+#: more Newton iterations, so a corrector tipped from one count to the next by
+#: rounding would change the next step by up to 10% (on VDPOL one perturbation in five
+#: then takes another sequence of steps). At 0.7 and above more steps fail the error
+#: test and the sequences split again; at 0.6, more steps for no gain.
 SAFETY = 0.675
 #: A factorisation of `I - c_old J` serves a step with another `c` while
 #: `|c / c_old - 1|` is at most this (CVODE's `dgmax`), for at most `REUSE_STEPS` steps.
