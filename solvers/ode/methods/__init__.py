@@ -35,7 +35,7 @@ from ._esdirk import ESDIRK
 from ._reuse import FactorMemory
 from ._rosenbrock import Rosenbrock, RosenbrockTableau
 from ._runge_kutta import ExplicitRungeKutta, TableauMethod
-from .bdf import BDF, BDFCarry
+from .bdf import BDF, BDFCarry, BDFMemory
 from .bosh3 import Bosh3
 from .dopri5 import Dopri5
 from .dopri8 import Dopri8
@@ -70,6 +70,7 @@ __all__ = [
     "FactorMemory",
     "BDF",
     "BDFCarry",
+    "BDFMemory",
     "Rodas5P",
     "Rodas4",
     "RK4",
