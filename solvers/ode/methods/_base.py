@@ -51,6 +51,7 @@ __all__ = [
     "after",
     "combine_carry",
     "factor_shapes",
+    "placeholder",
     "jacobian_product",
     "keep_or_compute",
     "lower_triangle",
@@ -119,6 +120,12 @@ def factor_shapes(solver, shape, dtype):
     that keeps no factors: what a method's first carry holds in their place."""
     state = jax.eval_shape(lambda: solver.init(lambda v: v, jnp.zeros(shape, dtype)))
     return solver.factors(state)
+
+
+def placeholder(shapes):
+    """Zeros of the shapes `shapes` (such as `factor_shapes`): the factors a first carry
+    holds before any were made."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def jacobian_product(f, y, t, params):

@@ -33,11 +33,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._base import Memory, keep_or_compute
+from ._base import Memory, keep_or_compute, placeholder
 
 __all__ = [
     "HOLD_MAX",
@@ -90,10 +89,9 @@ class FactorMemory(Memory):
         """The first carry's memory: zeros shaped as the factors (`jax.eval_shape` of
         them), never reused (an infinite rate; a first step of size 0 would otherwise
         match `h = 0`)."""
-        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), factor_shapes)
         rdt = jnp.finfo(dtype).dtype
         return cls(
-            factors=zeros,
+            factors=placeholder(factor_shapes),
             h=jnp.zeros((), dtype),
             theta=jnp.full((), jnp.inf, rdt),
             work=jnp.zeros((), jnp.int32),

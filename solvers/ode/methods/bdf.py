@@ -62,6 +62,7 @@ from ._base import (
     factor_shapes,
     jacobian_product,
     keep_or_compute,
+    placeholder,
 )
 from ._newton import hairer_kappa, simplified_newton
 
@@ -240,8 +241,7 @@ class BDF(AbstractMethod):
         d = jnp.zeros((MAX_ORDER + 3,) + y0.shape, dt).at[0].set(y0).at[1].set(k0)
         one = jnp.ones((), dt)
         # Zeros of the factors' shapes, marked unusable by c = 0.
-        shapes = factor_shapes(self.linear_solver, y0.shape, dt)
-        factors = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        factors = placeholder(factor_shapes(self.linear_solver, y0.shape, dt))
         memory = BDFMemory(
             h=one, order=one, order_used=one, n_equal=0 * one, grow=one, factors=factors,
             c=0 * one, age=jnp.zeros((), jnp.int32), work=jnp.zeros((), jnp.int32),
