@@ -18,6 +18,9 @@ __all__ = ["SMALL", "small_product", "weighted_stages"]
 
 #: Up to this many columns of `a`, `small_product` sums products; above, it is `a @ b`.
 SMALL = 32
+#: From this many elements of the broadcast product `a[:, :, None] * b[None]` on,
+#: `small_product` adds the scaled rows of `b` one by one instead of reducing it.
+UNROLLED_MIN = 4096
 
 
 def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -32,7 +35,17 @@ def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
         return a @ b
     if b.ndim == 1:
         return jnp.sum(a * b[None, :], axis=1)
-    return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+    if a.size * b.shape[1] < UNROLLED_MIN:
+        return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+    # One scaled row of `b` added at a time. Broadcast into `(rows, cols, n)` and
+    # reduced over the middle axis, a large product becomes a reduction XLA hands to
+    # its multithreaded library: measured on CPU at `n = 2048`, a `6 x 6` product took
+    # 55 us that way and 6 us this way. Below `UNROLLED_MIN` the reduction is the
+    # quicker (a `1 x 8` product at `n = 192`: 0.16 us against 0.34 us).
+    out = a[:, 0, None] * b[0][None, :]
+    for j in range(1, a.shape[1]):
+        out = out + a[:, j, None] * b[j][None, :]
+    return out
 
 
 def weighted_stages(coeffs: jax.Array, ks: jax.Array) -> jax.Array:

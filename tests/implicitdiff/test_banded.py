@@ -122,6 +122,35 @@ def test_entries_outside_the_band_raise(x64):
     np.testing.assert_allclose(a @ x, np.ones(6), rtol=1e-13)
 
 
+@pytest.mark.parametrize("width", [0, 1, 2, 3, 5, 8, 9, 17, 125])
+def test_row_sums_of_every_width(x64, width):
+    """The band check's row sums (halves added, no reduction) equal NumPy's."""
+    from implicitdiff.linear_solve._banded import _row_sums
+
+    x = np.random.default_rng(width).standard_normal((7, width))
+    np.testing.assert_allclose(_row_sums(jnp.asarray(x)), x.sum(axis=1), rtol=1e-14, atol=1e-14)
+    hlo = jax.jit(_row_sums).lower(jnp.asarray(x)).as_text()
+    assert "reduce" not in hlo
+
+
+@pytest.mark.parametrize("lower, upper", [(0, 0), (1, 2), (2, 2), (8, 8), (20, 12)])
+def test_band_check_finds_one_entry_outside(x64, lower, upper):
+    """`band_mismatch` passes the exact band and flags a single entry just outside
+    it, in any row."""
+    from implicitdiff.linear_solve._banded import band_matrix, band_mismatch
+
+    n = 40
+    a = band(n, lower, upper, seed=lower + upper)
+    probe = np.cos(np.arange(n) * 1.618 + 0.5)
+    ab = band_matrix(lambda v: jnp.asarray(a) @ v, n, lower, upper, jnp.float64)
+    assert not bool(band_mismatch(ab, jnp.asarray(a @ probe), jnp.asarray(probe), lower))
+    for row in (0, n // 2, n - upper - 2):
+        outside = a.copy()
+        outside[row, row + upper + 1] = 1e-3
+        exact = jnp.asarray(outside @ probe)
+        assert bool(band_mismatch(ab, exact, jnp.asarray(probe), lower))
+
+
 def test_singular_raises_unless_throw_false(x64):
     a = jnp.asarray(np.diag([1.0, 0.0, 2.0]))
     with pytest.raises((RuntimeError, ValueError), match=r"not finite"):

@@ -52,7 +52,7 @@ from jaxtyping import Array, Float, Int
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
-from .._small import small_product
+from .._small import small_product, weighted_stages
 from ..mass import MassMatrix, apply_mass
 from ._base import (
     AbstractMethod,
@@ -291,9 +291,9 @@ class BDF(AbstractMethod):
         D = carry.D.at[: MAX_ORDER + 1].set(d_low)
         n_equal = jnp.where(same, n_equal, 0)
 
-        upto = (rows <= q).astype(dt)[:, None]
-        y_pred = jnp.sum(upto * D, axis=0)
-        psi = jnp.sum((upto * jnp.pad(gamma, (0, 2))[:, None])[1:] * D[1:], axis=0) / alpha[q]
+        upto = (rows <= q).astype(dt)
+        y_pred = weighted_stages(upto, D)
+        psi = weighted_stages((upto * jnp.pad(gamma, (0, 2)))[1:], D[1:]) / alpha[q]
         c = h / alpha[q]
         t1 = t + h
 
