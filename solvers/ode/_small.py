@@ -1,12 +1,15 @@
-"""Products with small matrices, written as sums of products.
+"""Products with small matrices inside a step, written so that XLA's CPU runtime runs
+them as ordinary loops.
 
-On CPU, XLA may hand a matrix product (`dot`) to a multithreaded matrix library. For
-the few-by-few products inside a step of a few microseconds, handing the work to its
-threads and waiting for them can cost more than the product itself, by an amount that
-varies from one process to the next: a gradient of ROBER with BDF took 8.4 ms in most
-processes and 3.4 ms in others with two `6 x 6` products, and 2.7-2.9 ms in every
-process with them written as sums. A sum of elementwise products is an ordinary loop
-fusion instead.
+On CPU, XLA may hand a matrix product (`dot`), and a sum over an axis of a large
+enough array, to a multithreaded library. For the few-by-few products inside a step of
+a few microseconds, handing the work to its threads and waiting for them can cost more
+than the product itself, by an amount that varies from one process to the next: a
+gradient of ROBER with BDF took 8.4 ms in most processes and 3.4 ms in others with two
+`6 x 6` products, and 2.7-2.9 ms in every process with them written as sums. So a
+small product is a sum of elementwise products (a loop fusion); a large one is written
+out row by row, or, with several rows, is a matrix product of real size (see
+`small_product`).
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ __all__ = ["SMALL", "small_product", "weighted_stages"]
 #: Up to this many columns of `a`, `small_product` sums products; above, it is `a @ b`.
 SMALL = 32
 #: From this many elements of the broadcast product `a[:, :, None] * b[None]` on,
-#: `small_product` adds the scaled rows of `b` one by one instead of reducing it.
+#: `small_product` stops reducing it: a single row is written out as a sum of scaled
+#: rows of `b`, several rows are a matrix product.
 UNROLLED_MIN = 4096
 
 
 def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
     """`a @ b` for a matrix `a` and a vector or matrix `b`: a sum of products while
-    `a` has at most `SMALL` columns, else the matrix product."""
+    `a` has at most `SMALL` columns (for a large `b`, see `UNROLLED_MIN`), else the
+    matrix product."""
     if a.ndim != 2 or b.ndim not in (1, 2):
         raise ValueError(
             f"small_product: `a` must be a matrix and `b` a vector or a matrix, got shapes "
@@ -37,15 +42,23 @@ def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.sum(a * b[None, :], axis=1)
     if a.size * b.shape[1] < UNROLLED_MIN:
         return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
-    # One scaled row of `b` added at a time. Broadcast into `(rows, cols, n)` and
-    # reduced over the middle axis, a large product becomes a reduction XLA hands to
-    # its multithreaded library: measured on CPU at `n = 2048`, a `6 x 6` product took
-    # 55 us that way and 6 us this way. Below `UNROLLED_MIN` the reduction is the
-    # quicker (a `1 x 8` product at `n = 192`: 0.16 us against 0.34 us).
-    out = a[:, 0, None] * b[0][None, :]
-    for j in range(1, a.shape[1]):
-        out = out + a[:, j, None] * b[j][None, :]
-    return out
+    # Larger, the broadcast product reduced over its middle axis is a reduction XLA
+    # hands to its multithreaded library: measured on CPU at `n = 2048`, a `6 x 6`
+    # product took 55 us that way. Below `UNROLLED_MIN` the reduction is the quicker
+    # (a `1 x 8` product at `n = 192`: 0.16 us against 0.34 us written out).
+    if a.shape[0] == 1:
+        # One row (`weighted_stages`): scalars times rows of `b`, fused with what
+        # surrounds it; its derivative with respect to `b` is the same kind of sum.
+        out = a[0, 0] * b[0]
+        for j in range(1, a.shape[1]):
+            out = out + a[0, j] * b[j]
+        return out[None]
+    # Several rows (`bdf`'s rescaling of its differences): a matrix product of real
+    # size, whose derivatives are matrix products too. Written out as sums of
+    # broadcast rows instead, it ran as fast forward, but its derivative summed each
+    # column of the cotangent by a threaded reduction (1000 copies of ROBER: gradient
+    # 12% slower).
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
 def weighted_stages(coeffs: jax.Array, ks: jax.Array) -> jax.Array:

@@ -1,5 +1,6 @@
-"""`small_product`: products with a few-by-few matrix inside a step, as sums of
-products, equal to NumPy's on both sides of the size at which it stops reducing."""
+"""`small_product`: products with a few-by-few matrix inside a step, equal to NumPy's
+on both sides of the size at which it stops reducing, and in the form each size
+takes."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ def test_matches_numpy_either_way(x64, rows, cols, n):
     out = small_product(jnp.asarray(a), jnp.asarray(b))
     np.testing.assert_allclose(out, a @ b, rtol=1e-13, atol=1e-13)
     hlo = jax.jit(small_product).lower(jnp.asarray(a), jnp.asarray(b)).as_text()
-    # Large products add scaled rows (no reduction for XLA to hand to its threads).
-    assert ("reduce" in hlo) == (a.size * n < UNROLLED_MIN)
-    assert "dot_general" not in hlo
+    # Small products are reduced; large ones are a sum of scaled rows (one row) or a
+    # matrix product (several), never a reduction for XLA to hand to its threads.
+    small = a.size * n < UNROLLED_MIN
+    assert ("reduce" in hlo) == small
+    assert ("dot_general" in hlo) == (not small and rows > 1)
 
 
 def test_weighted_stages_matches_numpy(x64):
