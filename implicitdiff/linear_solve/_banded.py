@@ -111,10 +111,27 @@ def band_mismatch(ab: jax.Array, exact: jax.Array, probe: jax.Array, lower: int)
     `rows_differ`)."""
     n, width = ab.shape
     padded = jnp.pad(probe, (lower, width - lower - 1))
-    windows = jnp.stack([padded[d : d + n] for d in range(width)], axis=1)  # x[i - lower + d]
+    windows = jnp.stack([padded[d : d + n] for d in range(width)], axis=1)  # probe[i - lower + d]
     stored = _row_sums(ab * windows)
     magnitude = _row_sums(jnp.abs(ab) * jnp.abs(windows))
     return rows_differ(exact, stored, magnitude, width)
+
+
+#: Up to this many unknowns the band check's probe is a constant of the program.
+_PROBE_CONSTANT_MAX = 1 << 16
+
+
+def _probe(n: int, dtype) -> jax.Array:
+    """The band check's probe, `cos(1.618 i + 0.5)`: a constant of the program up to
+    `_PROBE_CONSTANT_MAX` unknowns, else computed behind an optimisation barrier.
+    Computed and fused into the operator's matvec, the cosines were recomputed for
+    each use (measured at 2048 unknowns: 65 us for a matvec of 5 us); a larger
+    constant would swell the compiled program."""
+    if n <= _PROBE_CONSTANT_MAX:
+        return jnp.asarray(np.cos(np.arange(n) * 1.618 + 0.5), dtype)
+    rdt = jnp.finfo(dtype).dtype
+    probe = jnp.cos(jnp.arange(n, dtype=rdt) * 1.618 + 0.5)
+    return jax.lax.optimization_barrier(probe).astype(dtype)
 
 
 def rows_differ(exact: jax.Array, stored: jax.Array, magnitude: jax.Array, width: int):
@@ -424,10 +441,7 @@ class BandLU(Factored):
 
         ab = self._storage(flat_matvec, n, dt)
         if self.check and n > 0:
-            # A constant of the program: computed in it, the cosines would be
-            # recomputed for each use inside the fusions of the matvec (measured at
-            # 2048 unknowns: 65 us for a matvec of 5 us).
-            probe = jnp.asarray(np.cos(np.arange(n) * 1.618 + 0.5), dt)
+            probe = _probe(n, dt)
             exact = flat_matvec(probe)
             reorder = self._reorder()
             if reorder is not None:

@@ -151,6 +151,19 @@ def test_band_check_finds_one_entry_outside(x64, lower, upper):
         assert bool(band_mismatch(ab, exact, jnp.asarray(probe), lower))
 
 
+def test_band_check_with_a_computed_probe(x64, monkeypatch):
+    """Above `_PROBE_CONSTANT_MAX` unknowns the probe is computed in the program (here
+    from 9 on): the check still passes the true band and catches a missing one."""
+    import implicitdiff.linear_solve._banded as banded
+
+    monkeypatch.setattr(banded, "_PROBE_CONSTANT_MAX", 8)
+    a = jnp.asarray(np.eye(12) * 3 + np.diag(np.ones(10), 2))
+    x = linear_solve.Banded(0, 2)(lambda v: a @ v, jnp.ones(12))
+    np.testing.assert_allclose(a @ x, np.ones(12), rtol=1e-13)
+    with pytest.raises((RuntimeError, ValueError), match=r"outside this band"):
+        jax.block_until_ready(linear_solve.Banded(0, 1)(lambda v: a @ v, jnp.ones(12)))
+
+
 def test_singular_raises_unless_throw_false(x64):
     a = jnp.asarray(np.diag([1.0, 0.0, 2.0]))
     with pytest.raises((RuntimeError, ValueError), match=r"not finite"):

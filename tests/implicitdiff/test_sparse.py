@@ -302,14 +302,18 @@ def test_independent_groups_are_solved_as_blocks(x64, sizes):
     np.testing.assert_allclose(
         solver.transpose_solve(state, b), np.linalg.solve(dense.T, b), rtol=1e-12
     )
-    # The block solves are sums of elementwise products: no reduction for XLA to hand
-    # to a threaded library.
-    from implicitdiff.linear_solve._blocks import block_lu_solve
+    # The block solves and the pattern check are sums of elementwise products: no
+    # reduction for XLA to hand to a threaded library. (These blocks are diagonally
+    # dominant, so their rows are rarely swapped: the permutations are exercised by
+    # `test_direct_solvers_take_complex_systems`, whose blocks pivot.)
+    from implicitdiff.linear_solve._blocks import block_lu_solve, block_mismatch
 
-    factors = solver.factors(state)
+    factors, blocks = solver.factors(state), solver.pattern.blocks
     for trans in (0, 1):
-        solve = lambda b, trans=trans: block_lu_solve(factors, b, solver.pattern.blocks, trans)  # noqa: E731
+        solve = lambda b, trans=trans: block_lu_solve(factors, b, blocks, trans)  # noqa: E731
         assert "reduce" not in jax.jit(solve).lower(b).as_text()
+    check = lambda b: block_mismatch(factors[0], b, b, blocks)  # noqa: E731
+    assert "reduce_sum" not in jax.jit(check).lower(b).as_text()
     grad = jax.grad(lambda b: jnp.sum(jnp.sin(solver(operator, b))))(b)
     expected = np.linalg.solve(dense.T, np.cos(np.linalg.solve(dense, b)))
     np.testing.assert_allclose(grad, expected, rtol=1e-12)

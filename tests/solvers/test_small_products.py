@@ -32,3 +32,24 @@ def test_weighted_stages_matches_numpy(x64):
     w, ks = rng.standard_normal(7), rng.standard_normal((7, 64, 32))
     out = weighted_stages(jnp.asarray(w), jnp.asarray(ks))
     np.testing.assert_allclose(out, np.tensordot(w, ks, axes=1), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("n", [16, 2048])
+def test_derivatives_and_complex_values(x64, rows, n):
+    """Both sides of `UNROLLED_MIN`, both large forms: `jvp` and `vjp` with respect to
+    both factors equal NumPy's products, and complex factors multiply as complex."""
+    rng = np.random.default_rng(rows + n)
+    a, b = rng.standard_normal((rows, 6)), rng.standard_normal((6, n))
+    da, db = rng.standard_normal(a.shape), rng.standard_normal(b.shape)
+    out, tangent = jax.jvp(small_product, (jnp.asarray(a), jnp.asarray(b)), (da, db))
+    np.testing.assert_allclose(tangent, da @ b + a @ db, rtol=1e-12, atol=1e-12)
+    ct = rng.standard_normal(out.shape)
+    _, pull = jax.vjp(small_product, jnp.asarray(a), jnp.asarray(b))
+    ct_a, ct_b = pull(jnp.asarray(ct))
+    np.testing.assert_allclose(ct_a, ct @ b.T, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ct_b, a.T @ ct, rtol=1e-12, atol=1e-12)
+    za, zb = a + 1j * da, b - 2j * db
+    np.testing.assert_allclose(
+        small_product(jnp.asarray(za), jnp.asarray(zb)), za @ zb, rtol=1e-12, atol=1e-12
+    )
