@@ -132,8 +132,6 @@ def _rows_times(m: jax.Array, x: jax.Array) -> jax.Array:
     for 1000 blocks of 3: a sum over the last axis of `m * x[:, None]` is a reduction
     XLA hands to its multithreaded library, several times slower."""
     size = m.shape[-1]
-    if size == 0:
-        return jnp.zeros(x.shape, jnp.result_type(m, x))
     cols = []
     for i in range(size):
         acc = m[:, i, 0] * x[:, 0]

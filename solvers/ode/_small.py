@@ -39,30 +39,31 @@ def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
             f"small_product: `a` must be a matrix and `b` a vector or a matrix, got shapes "
             f"{a.shape} and {b.shape}"
         )
-    if a.shape[-1] > SMALL:
-        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-    if b.ndim == 1:
-        return jnp.sum(a * b[None, :], axis=1)
-    if a.size * b.shape[1] < UNROLLED_MIN:
-        return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
-    # Larger, the broadcast product reduced over its middle axis is a reduction XLA
-    # hands to its multithreaded library: measured on CPU at `n = 2048`, a `6 x 6`
-    # product took 55 us that way. Below `UNROLLED_MIN` the reduction is the quicker
-    # (a `1 x 8` product at `n = 192`: 0.16 us against 0.34 us written out).
-    if a.shape[0] == 1:
-        # One row (`weighted_stages`): scalars times rows of `b`, fused with what
-        # surrounds it; its derivative with respect to `b` is the same kind of sum
-        # (with respect to `a` it would be a reduction over `n` per coefficient, but
-        # the callers' coefficients, tableaux and bdf's order masks, are constants).
-        out = a[0, 0] * b[0]
-        for j in range(1, a.shape[1]):
-            out = out + a[0, j] * b[j]
-        return out[None]
-    # Several rows (`bdf`'s rescaling of its differences): a matrix product of real
-    # size, whose derivatives are matrix products too. Written out as sums of
-    # broadcast rows instead, it ran as fast forward, but its derivative summed each
-    # column of the cotangent by a threaded reduction (1000 copies of ROBER: gradient
-    # 12% slower).
+    if a.shape[-1] <= SMALL:
+        if b.ndim == 1:
+            return jnp.sum(a * b[None, :], axis=1)
+        if a.size * b.shape[1] < UNROLLED_MIN:
+            return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+        # Larger, the broadcast product reduced over its middle axis is a reduction
+        # XLA hands to its multithreaded library: measured on CPU at `n = 2048`, a
+        # `6 x 6` product took 55 us that way. Below `UNROLLED_MIN` the reduction is
+        # the quicker (a `1 x 8` product at `n = 192`: 0.16 us against 0.34 us
+        # written out).
+        if a.shape[0] == 1:
+            # One row (`weighted_stages`): scalars times rows of `b`, fused with what
+            # surrounds it; its derivative with respect to `b` is the same kind of sum
+            # (with respect to `a` it would be a reduction over `n` per coefficient,
+            # but the callers' coefficients, tableaux and bdf's order masks, are
+            # constants).
+            out = a[0, 0] * b[0]
+            for j in range(1, a.shape[1]):
+                out = out + a[0, j] * b[j]
+            return out[None]
+    # Many columns of `a`, or several rows against a large `b` (`bdf`'s rescaling of
+    # its differences): a matrix product of real size, whose derivatives are matrix
+    # products too. Written out as sums of broadcast rows instead, the latter ran as
+    # fast forward, but its derivative summed each column of the cotangent by a
+    # threaded reduction (1000 copies of ROBER: gradient 12% slower).
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
