@@ -106,7 +106,11 @@ class TangentField:
         ydot, vdot = jax.jvp(lambda y, p: self.f(y, t, p, pn), (y, p), (v, dp))
         return jnp.concatenate([ydot, vdot])
 
-    def step(self, method, z, kz, t, h, params, tol):
+    def step(self, method, z, kz, t, h, params, tol, end=None):
+        """One step of the pair: the primal step and its derivative. With `end =
+        (z1, known)` (the checkpointed adjoint's replay), the primal step's end where
+        `known` is `z1[:n]` (`AbstractMethod.replay_step`); its tangent is computed
+        again."""
         n, k = self.n, self.n_pd
         pd, pn = params
         f = self.f
@@ -116,9 +120,13 @@ class TangentField:
 
         def primal(y, values, p):
             field = lambda y, t, p: f(y, t, *p, pn)  # noqa: E731
-            y1, err, k_next, ok, ks = method.step_with_stages(
-                field, y, combine_carry(values, memory), t, h, (p,), tol=base_tol
-            )
+            carry = combine_carry(values, memory)
+            if end is None:
+                out = method.step_with_stages(field, y, carry, t, h, (p,), tol=base_tol)
+            else:
+                primal_end = (jax.lax.stop_gradient(end[0][:n]), end[1])
+                out = method.replay_step(field, y, carry, t, h, (p,), primal_end, tol=base_tol)
+            y1, err, k_next, ok, ks = out
             values, memory1 = partition_carry(k_next)
             return (y1, err, values, ok, ks), memory1
 

@@ -50,6 +50,7 @@ __all__ = [
     "solve_batch",
     "stepper",
     "while_any",
+    "write_end",
 ]
 
 
@@ -143,12 +144,12 @@ def stepper(field, method: AbstractMethod):
     replay of a recorded step passes its end, `end = (y1, known)` (see
     `AbstractMethod.replay_step`).
 
-    A field may define its own `step(method, y, carry, t, h, params, tol)`: the
-    forward sensitivities' field steps as the derivative of the step it
-    differentiates (and recomputes the end)."""
+    A field may define its own `step(method, y, carry, t, h, params, tol, end=None)`:
+    the forward sensitivities' field steps as the derivative of the step it
+    differentiates."""
     own = getattr(field, "step", None)
     if own is not None:
-        return lambda y, k1, t, h, params, tol, end=None: own(method, y, k1, t, h, params, tol)
+        return lambda y, k1, t, h, params, tol, end=None: own(method, y, k1, t, h, params, tol, end)
 
     def f(y, t, params):
         return field(y, t, *params)
@@ -295,39 +296,61 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
         # only while the solve is live and the block is not full.
         i = s.acc - rec.base
         put = lambda rows, x: rows.set(i, x)  # noqa: E731
+        k_rows = cfg.method.replay_carry(s.k)
         rec = dataclasses.replace(
             rec,
             t=put(rec.t, s.t),
             h=put(rec.h, h_step),
             y_last=put(rec.y_last, s.y),
-            k_last=jax.tree_util.tree_map(put, rec.k_last, s.k, is_leaf=is_rows),
+            k_last=jax.tree_util.tree_map(put, rec.k_last, k_rows, is_leaf=is_rows),
         )
         return rec, full
     slot = jnp.minimum(s.acc, cfg.record)
     every = rec.y_last.shape[0] - 1  # (see `initial_state`)
-    # The start of the latest `every` steps, step k in slot k % every: the sweep then
-    # needs no replay for the last segment (for a short solve, at all). A rejected
-    # attempt writes the same state to the same slot.
+    # The start of the latest `every` steps, step k in slot k % every, its carry as a
+    # replay with a known end reads it (`replay_carry`): the sweep then needs no
+    # replay for the last segment (for a short solve, at all). A rejected attempt
+    # writes the same state to the same slot.
     row = jnp.where(live, s.acc % every, every)
     y_cp, k_cp = rec.y_cp, rec.k_cp
     if not keeps_every_start(every, rec.t.shape[0]):
-        # The checkpoints. With every step's start kept, the sweep uses the first one
-        # alone (written by `initial_state`; the last step's end, which it would read
-        # from the second, is recomputed), so an attempt writes none.
+        # The checkpoints, with the whole carry: a replay steps on from them. With
+        # every step's start kept, the sweep uses the first one alone (written by
+        # `initial_state`) and the solve's end (`write_end`), so an attempt writes
+        # none. Written only when one is due (for one element of a batch, the others
+        # write to the spare last slot): a carry may hold a factorisation.
         spare = y_cp.shape[0] - 1
         store = accept & (acc % every == 0) & (acc // every < spare)
         cp = jnp.where(store, acc // every, spare)
-        y_cp = y_cp.at[cp].set(y1)
-        k_cp = jax.tree_util.tree_map(lambda b, x: b.at[cp].set(x), k_cp, k1)
+
+        def write():
+            return y_cp.at[cp].set(y1), jax.tree_util.tree_map(
+                lambda b, x: b.at[cp].set(x), k_cp, k1
+            )
+
+        y_cp, k_cp = jax.lax.cond(any_over_batch(store), write, lambda: (y_cp, k_cp))
     rec = RecordBuffers(
         t=rec.t.at[slot].set(s.t),
         h=rec.h.at[slot].set(h_step),
         y_cp=y_cp,
         k_cp=k_cp,
         y_last=rec.y_last.at[row].set(s.y),
-        k_last=jax.tree_util.tree_map(lambda b, x: b.at[row].set(x), rec.k_last, s.k),
+        k_last=jax.tree_util.tree_map(
+            lambda b, x: b.at[row].set(x), rec.k_last, cfg.method.replay_carry(s.k)
+        ),
     )
     return rec, full
+
+
+def write_end(rec: RecordBuffers, state: StepState) -> RecordBuffers:
+    """The record with the solve's end, where its last step ended, in the checkpoint
+    slot after that step's segment (`(steps - 1) // every + 1`): with every step's
+    start kept or not, the sweep reads each step's end there or from the next step's
+    start, and replays no corrector (see `AbstractMethod.replay_step`)."""
+    every = rec.y_last.shape[0] - 1  # (see `initial_state`)
+    spare = rec.y_cp.shape[0] - 1
+    slot = jnp.minimum(jnp.where(state.acc >= 1, (state.acc - 1) // every + 1, 0), spare)
+    return dataclasses.replace(rec, y_cp=rec.y_cp.at[slot].set(state.y))
 
 
 def initial_state(
@@ -371,7 +394,8 @@ def initial_state(
         n, dt = y0.shape[0], y0.dtype
         # Every step's start is kept when the record stays small, over the batch of an
         # enclosing `vmap` too (the buffers are per element).
-        per_step = n + sum(math.prod(jnp.shape(x)) for x in jax.tree_util.tree_leaves(carry0))
+        kept = method.replay_carry(carry0)
+        per_step = n + sum(math.prod(jnp.shape(x)) for x in jax.tree_util.tree_leaves(kept))
         batch = solve_batch(y0, ts, params)
         every = checkpoint_every(cfg.record, per_step * batch, cfg.checkpoints)
         n_cp = cfg.record // every + 3  # the last one is a spare
@@ -384,6 +408,6 @@ def initial_state(
                 lambda b, x: b.at[0].set(x), jax.tree_util.tree_map(slots(n_cp), carry0), carry0
             ),
             y_last=jnp.zeros((every + 1, n), dt),  # the last one is a spare
-            k_last=jax.tree_util.tree_map(slots(every + 1), carry0),
+            k_last=jax.tree_util.tree_map(slots(every + 1), kept),
         )
     return state, rec

@@ -29,7 +29,15 @@ from . import progress
 from .blocks import BlockRows, block_size, flatten, is_rows
 from .info import MAX_STEPS, SUCCESS, ODEInfo
 from .interpolation import evaluate_step, step_coefficients
-from .loop import LoopConfig, attempt, initial_state, record_block, solve_batch, while_any
+from .loop import (
+    LoopConfig,
+    attempt,
+    initial_state,
+    record_block,
+    solve_batch,
+    while_any,
+    write_end,
+)
 from .state import Record, StepState
 
 __all__ = ["Integration", "integrate", "output_window"]
@@ -128,7 +136,9 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
             out_theta = jnp.ones(out_step.shape, tdt)
         every = rec.y_last.shape[0] - 1  # (its last row is a spare)
         k_last = jax.tree_util.tree_map(lambda b: b[:every], rec.k_last)
-        buffers = dataclasses.replace(rec, y_last=rec.y_last[:every], k_last=k_last)
+        buffers = dataclasses.replace(
+            write_end(rec, state), y_last=rec.y_last[:every], k_last=k_last
+        )
         record = Record(buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc)
     if cfg.progress:
         progress.report_done(state)

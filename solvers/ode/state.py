@@ -57,12 +57,15 @@ class RecordBuffers(eqx.Module):
         t: each accepted step's start (`max_steps + 1` slots, the last a spare).
         h: each accepted step's size.
         y_cp: the state every `every` accepted steps, from step 0 (the last slot a
-            spare). When `y_last` keeps every step's start, only step 0's is written.
+            spare), and the solve's end in the slot after its last step's segment
+            (`loop.write_end`). When `y_last` keeps every step's start, only step 0's
+            and the end are written.
         k_cp: the method's carry at those states (a pytree, each leaf with a leading
             slot axis): a replay from a checkpoint starts from it, so it repeats the
             solve's steps exactly.
         y_last: the starts of the latest `every` steps, step `k` in slot `k % every`.
-        k_last: the carry at those starts.
+        k_last: the carry at those starts, as a replay of the step with its end known
+            reads it (`AbstractMethod.replay_carry`).
         base: `None`, or for one block of a record written by blocks (see
             `solvers.ode.blocks`), the number of steps before the block: `t`, `h`,
             `y_last` and (leaf by leaf) `k_last` are then `BlockRows` holding the

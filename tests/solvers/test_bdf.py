@@ -15,7 +15,9 @@ from scipy.integrate import solve_ivp
 
 from implicitdiff import linear_solve
 from solvers import odeint
-from solvers.ode.methods import BDF, bdf
+from solvers.ode.fields import TangentField
+from solvers.ode.loop import stepper
+from solvers.ode.methods import BDF, StageTolerance, bdf
 
 from .stiff_problems import PROBLEMS, batch_script, bruss
 
@@ -276,3 +278,59 @@ def test_replay_with_a_known_end_gives_the_step_and_its_derivative(x64):
     # The end is taken as given, not recomputed.
     other = y1 + 1e-3
     np.testing.assert_array_equal(run(y0, p, (other, jnp.array(True)))[0], other)
+
+
+def test_replay_with_a_known_end_reads_only_the_recorded_carry(x64):
+    """The checkpointed adjoint records each step's carry without the factorisation
+    (`replay_carry`): a replay with the end known gives the same step and pull-back
+    from it as from the whole carry, and so does the forward sensitivities' pair,
+    whose step is the derivative of the primal step."""
+    prob = PROBLEMS["rober"]
+    f = lambda y, t, params: prob["f"](y, t, params[0], jnp)  # noqa: E731
+    p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
+    method = BDF()
+    carry = method.initial_carry(y0, f(y0, 0.0, (p,)))
+    for _ in range(3):
+        y0, _, carry, ok = method.step(f, y0, carry, 0.0, 1e-4, (p,))
+        assert ok
+    kept = method.replay_carry(carry)
+    assert kept.memory.factors is None and carry.memory.factors is not None
+    np.testing.assert_array_equal(kept.D, carry.D)
+    h = 2e-4
+    end = (method.step(f, y0, carry, 0.0, h, (p,))[0], jnp.array(True))
+
+    def run(y, p, c):
+        out = method.replay_step(f, y, c, 0.0, h, (p,), end)
+        return out[0], out[2].k, out[2].D
+
+    whole, pull_whole = jax.vjp(lambda y, p: run(y, p, carry), y0, p)
+    part, pull_part = jax.vjp(lambda y, p: run(y, p, kept), y0, p)
+    cts = jax.tree_util.tree_map(
+        lambda x: jnp.sin(jnp.arange(x.size) + 0.7).reshape(x.shape), whole
+    )
+    for a, b in zip(part + pull_part(cts), whole + pull_whole(cts)):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-300)
+
+    # The pair (y, v): the field `(f, J v + df/dp dp)` with one parameter tangent.
+    field = TangentField(lambda y, t, pd, pn: prob["f"](y, t, pd[0], jnp), 3, 1)
+    v0 = jnp.array([1e-3, -2e-3, 1e-3])
+    z0, params = jnp.concatenate([y0, v0]), ((p, p * 1e-2), None)
+    kz = field.initial_carry(method, z0, field(z0, 0.0, *params))
+    # A loose corrector test, and a step size whose corrector reuses the last
+    # factorisation: iterating again from the recorded carry would end elsewhere.
+    tol = StageTolerance(rtol=1e-4, atol=1e-8)
+    for _ in range(3):
+        z0, _, kz, ok, _ = field.step(method, z0, kz, 0.0, 1e-4, params, tol)
+        assert ok
+    step = stepper(field, method)
+    z1, _, kz1, _, _ = step(z0, kz, 0.0, 1.1e-4, params, tol)
+    assert kz1.memory.work == 0  # (the factorisation was reused)
+    kept = method.replay_carry(kz)
+    z1_kept = step(z0, kept, 0.0, 1.1e-4, params, tol, (z1, jnp.array(True)))[0]
+    np.testing.assert_allclose(z1_kept, z1, rtol=1e-12, atol=1e-300)
+    # The tangent half is computed again, not taken from the end.
+    off = z1.at[3:].add(1.0)
+    np.testing.assert_allclose(
+        step(z0, kept, 0.0, 1.1e-4, params, tol, (off, jnp.array(True)))[0], z1,
+        rtol=1e-12, atol=1e-300,
+    )  # fmt: skip

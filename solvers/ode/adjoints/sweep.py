@@ -1,8 +1,10 @@
 """The backward sweep of `odeint(adjoint="checkpoint")`: the discrete adjoint.
 
 The forward pass (`integrate` with `record`) keeps each accepted step's start
-time and size, the state every `every` steps (about `sqrt(max_steps)`), and the starts
-of the latest `every` steps with `f` there. The sweep walks the segments of `every`
+time and size, the state every `every` steps (about `sqrt(max_steps)`) with the
+method's carry, the starts of the latest `every` steps with the carry as a replay with
+a known end reads it (`AbstractMethod.replay_carry`), and the solve's end. Every step's
+end is therefore known to the sweep. The sweep walks the segments of `every`
 steps last first: it recomputes a segment's states from its checkpoint (the last
 segment's were kept), then pulls the cotangent back through each step with one
 `jax.vjp` of the step. A small system keeps every step's start (`every` above
@@ -303,6 +305,16 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     batch_replay = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes, 0, 0))
     batch_field = _map_batch(f, size, (0, 0, pd_axes, pn_axes))
 
+    def pick_row(x, i):
+        # Row `i[e]` of each element `e`'s `x[e]`.
+        return jnp.take_along_axis(x, i.reshape((size, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+    # The carries at the checkpoints as the record keeps every step's (`replay_carry`),
+    # and the checkpoint slot holding each element's end (`loop.write_end`).
+    k_cp_kept = method.replay_carry(k_cp)
+    end_slot = jnp.where(steps >= 1, (steps - 1) // every + 1, 0)
+    end_slot = jnp.minimum(end_slot, y_cp.shape[1] - 1).astype(jnp.int32)
+
     def step_at(k):
         # Step `k`'s start time and size, per element (the same `k` for all of them).
         k = jnp.minimum(k, cap - 1)
@@ -447,26 +459,31 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         kept = seg == (steps - 1) // every
 
         def forward(j, c):
-            ys, k1s = c
+            # The step from `ys[:, j]` with the whole carry `k1`; the buffers keep each
+            # start's carry as the record does (`replay_carry`).
+            ys, k1s, k1 = c
             t, h = step_at(k0 + j)
-            k1 = jax.tree_util.tree_map(lambda b: b[:, j], k1s)
             y1, k_next, _, _ = batch_step(ys[:, j], k1, t, h, pd, pn)
             more = j + 1 < m
+            k1 = select(more, k_next, k1)
             ys = ys.at[:, j + 1].set(jnp.where(more[:, None], y1, ys[:, j]))
             k1s = jax.tree_util.tree_map(
-                lambda b, x: b.at[:, j + 1].set(x), k1s, select(more, k_next, k1)
+                lambda b, x: b.at[:, j + 1].set(x), k1s, method.replay_carry(k1)
             )
-            return ys, k1s
+            return ys, k1s, k1
 
         replay = max_over_batch(jnp.max(jnp.where(kept, 0, m)))
 
         def replayed():
             y_start = y_cp[:, seg]
+            k_start = jax.tree_util.tree_map(lambda cp: cp[:, seg], k_cp)
             ys = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(y_start)
             k1s = jax.tree_util.tree_map(
-                lambda last, cp: jnp.zeros_like(last).at[:, 0].set(cp[:, seg]), k_last, k_cp
+                lambda last, x: jnp.zeros_like(last).at[:, 0].set(x),
+                k_last,
+                method.replay_carry(k_start),
             )
-            return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s))
+            return jax.lax.fori_loop(0, replay - 1, forward, (ys, k1s, k_start))[:2]
 
         if keeps_every_start(every, cap):
             # Nothing to replay, and no replaying step to compile.
@@ -479,8 +496,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             k1s = select(kept, k_last, k1s)
 
         # Each step's end: the next step's start, and for the segment's last step the
-        # next checkpoint, unless the segment is the solve's last (`kept`): that step
-        # is recomputed.
+        # next checkpoint slot (for the solve's last step, its end: `loop.write_end`).
         after_last = y_cp[:, jnp.minimum(seg + 1, y_cp.shape[1] - 1)]
         ends = jnp.concatenate([ys[:, 1:], after_last[:, None]], axis=1)
 
@@ -503,15 +519,17 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 slot = last % every
 
                 def at(b, b_last, b_cp):
-                    pick = lambda x, i: jnp.take_along_axis(  # noqa: E731
-                        x, i.reshape((size, 1) + (1,) * (x.ndim - 2)), axis=1
-                    )[:, 0]
-                    return select(here, pick(b, row), select(took, pick(b_last, slot), b_cp[:, 0]))
+                    return select(
+                        here, pick_row(b, row), select(took, pick_row(b_last, slot), b_cp[:, 0])
+                    )
 
                 y = at(ys, y_last, y_cp)
-                k1 = jax.tree_util.tree_map(at, k1s, k_last, k_cp)
-                y1 = at(ends, y_last, y_cp)
-                known = here & ((row + 1 < m) | ~kept)
+                k1 = jax.tree_util.tree_map(at, k1s, k_last, k_cp_kept)
+                # The end of the step taken: of an element's last step in this segment,
+                # the segment's end; of its very last step, the solve's end.
+                y1 = select(row + 1 < m, pick_row(ends, row), after_last)
+                y1 = select(here, y1, pick_row(y_cp, end_slot))
+                known = jnp.ones_like(here)
                 k = jnp.minimum(jnp.where(here, k0 + row, last), cap - 1)[:, None]
                 t = jnp.take_along_axis(rec_t, k, 1)[:, 0]
                 h = jnp.take_along_axis(rec_h, k, 1)[:, 0]
@@ -583,8 +601,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 get = lambda rows: rows.get(r)[None]  # noqa: E731
                 y = select(took, get(starts), y_cp[:, 0])
                 k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=is_rows)
-                k1 = select(took, k1, jax.tree_util.tree_map(lambda b: b[:, 0], k_cp))
-                end = (get(ends), idx[r] + 1 < m)
+                k1 = select(took, k1, jax.tree_util.tree_map(lambda b: b[:, 0], k_cp_kept))
+                # (The last step's end is the solve's: see `linearize_chunk`.)
+                end_y = select(idx[r] + 1 < m, get(ends), pick_row(y_cp, end_slot))
+                end = (end_y, jnp.ones_like(active))
                 t, h = t_rows[:, r], h_rows[:, r]
                 pullback = linearize_step(t, h, y, k1, end, ~active)
                 moments = None if moment_rows is None else get(moment_rows)

@@ -126,6 +126,21 @@ def _rescale_matrix(factor):
     return small_product(r(factor), r(jnp.ones_like(factor)))
 
 
+def _update_differences(D, d, q):
+    """The differences after a step of order `q` whose corrector moved the prediction
+    by `d`: `D[q+2] = d - D[q+1]`, `D[q+1] = d`, then `D[j] += D[j+1]` for
+    `j = q, ..., 0` (rows above `q + 2` unchanged). As one product `A D + b d^T`:
+    row `j <= q` becomes `d + D[j] + ... + D[q]`. Written as that recurrence, each
+    of its six row updates copied the whole array (measured on CPU)."""
+    rows = jnp.arange(MAX_ORDER + 3)
+    i, j = rows[:, None], rows[None, :]
+    low = (i <= q) & (j >= i) & (j <= q)
+    above = (i > q + 2) & (i == j)
+    a = jnp.where(low | above, 1, 0) - jnp.where((i == q + 2) & (j == q + 1), 1, 0)
+    b = (rows <= q + 2).astype(D.dtype)
+    return small_product(a.astype(D.dtype), D) + b[:, None] * d
+
+
 class BDFMemory(Memory):
     """`BDF`'s bookkeeping (never differentiated).
 
@@ -263,6 +278,12 @@ class BDF(AbstractMethod):
         shrink = jnp.where(good, shrink, 0.5)
         return h_step * jnp.where(accept, mem.grow, jnp.minimum(shrink, 1.0))
 
+    def replay_carry(self, carry: BDFCarry) -> BDFCarry:
+        # A replay with a known end takes it as the corrector's solution: the factors
+        # are not read (for a system of 2048 states on a band they are about half of
+        # what a step records).
+        return dataclasses.replace(carry, memory=dataclasses.replace(carry.memory, factors=None))
+
     def replay_step(self, f, y, carry: BDFCarry, t, h, params, end, *, tol=None):
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol, end=end)
 
@@ -371,7 +392,9 @@ class BDF(AbstractMethod):
             solve = iterate
         else:
             # A replay whose end is known (see `replay_step`): the corrector's solution
-            # is that end, and only a step whose end is not known iterates.
+            # is that end, and only a step whose end is not known iterates. (The
+            # checkpointed adjoint knows every end, and records the carries of its
+            # steps without the factors: `replay_carry`.)
             y1_end, known = end
 
             def solve(res, z0):
@@ -392,12 +415,7 @@ class BDF(AbstractMethod):
         nonzero = c != 0
         k_next = jnp.where(nonzero, (d + psi) / jnp.where(nonzero, c, 1), carry.k)
 
-        # The differences after the step: D[q+2] = d - D[q+1], D[q+1] = d, then
-        # D[j] += D[j+1] for j = q, ..., 0.
-        D = jnp.where((rows == q + 2)[:, None], d - D[jnp.minimum(q + 1, MAX_ORDER + 2)], D)
-        D = jnp.where((rows == q + 1)[:, None], d, D)
-        for j in range(MAX_ORDER, -1, -1):
-            D = D.at[j].add(jnp.where(j <= q, D[j + 1], 0))
+        D = _update_differences(D, d, q)
         n_equal = n_equal + 1
 
         # The next order and step size, once the order and size have held for q + 1
