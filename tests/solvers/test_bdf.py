@@ -280,6 +280,23 @@ def test_replay_with_a_known_end_gives_the_step_and_its_derivative(x64):
     np.testing.assert_array_equal(run(y0, p, (other, jnp.array(True)))[0], other)
 
 
+@pytest.mark.parametrize("n", [3, 100])
+def test_difference_update_is_the_recurrence(x64, n):
+    """The differences after a step of each order, as one product (`_update_differences`),
+    against the recurrence written out row by row: `D[q+2] = d - D[q+1]`, `D[q+1] = d`,
+    then `D[j] += D[j+1]` for `j = q, ..., 0`."""
+    rng = np.random.default_rng(n)
+    D, d = rng.normal(size=(bdf.MAX_ORDER + 3, n)), rng.normal(size=n)
+    for q in range(1, bdf.MAX_ORDER + 1):
+        want = D.copy()
+        want[q + 2] = d - D[q + 1]
+        want[q + 1] = d
+        for j in range(q, -1, -1):
+            want[j] += want[j + 1]
+        got = bdf._update_differences(jnp.asarray(D), jnp.asarray(d), jnp.asarray(q))
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14)
+
+
 def test_replay_with_a_known_end_reads_only_the_recorded_carry(x64):
     """The checkpointed adjoint records each step's carry without the factorisation
     (`replay_carry`): a replay with the end known gives the same step and pull-back

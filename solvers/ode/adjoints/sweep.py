@@ -23,9 +23,10 @@ per matrix in a batch of 64 as alone); the price is a chunk's linearisations hel
 once and a last chunk that may run past its segment's steps. With a stage solver whose
 factorisation is no faster in a batch on CPU (`LinearSolver.factors_in_batches`: a
 wide band's blocked LU), the steps are linearised one at a time there (`chunk_size`).
-The replay knows each step's end (the next step's start, or the next checkpoint) and
-hands it to the method (`AbstractMethod.replay_step`): BDF takes it as its corrector's
-solution instead of iterating again.
+The replay knows each step's end (the next step's start, the next checkpoint, or for
+the last step the solve's end, `loop.write_end`) and hands it to the method
+(`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
+iterating again.
 
 A small solve that kept every step's start reads its record a block of steps at a
 time (`solvers.ode.blocks`): the loop over a block's steps then touches small copies
