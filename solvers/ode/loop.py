@@ -45,6 +45,7 @@ __all__ = [
     "attempt",
     "carrier",
     "checkpoint_every",
+    "end_slot",
     "keeps_every_start",
     "record_block",
     "solve_batch",
@@ -342,14 +343,20 @@ def _record(cfg, rec, s, new, h_step, y1, k1, accept, live):
     return rec, full
 
 
+def end_slot(steps, every: int, slots: int):
+    """The checkpoint slot (of `slots`, the last a spare) holding the end of a solve of
+    `steps` accepted steps with a checkpoint every `every` steps (`write_end`): the
+    slot after its last step's segment, `(steps - 1) // every + 1`, or 0 (no step)."""
+    slot = jnp.where(steps >= 1, (steps - 1) // every + 1, 0)
+    return jnp.minimum(slot, slots - 1).astype(jnp.int32)
+
+
 def write_end(rec: RecordBuffers, state: StepState) -> RecordBuffers:
-    """The record with the solve's end, where its last step ended, in the checkpoint
-    slot after that step's segment (`(steps - 1) // every + 1`): with every step's
-    start kept or not, the sweep reads each step's end there or from the next step's
-    start, and replays no corrector (see `AbstractMethod.replay_step`)."""
+    """The record with the solve's end, where its last step ended, in `end_slot`: with
+    every step's start kept or not, the sweep reads each step's end there or from the
+    next step's start, and replays no corrector (see `AbstractMethod.replay_step`)."""
     every = rec.y_last.shape[0] - 1  # (see `initial_state`)
-    spare = rec.y_cp.shape[0] - 1
-    slot = jnp.minimum(jnp.where(state.acc >= 1, (state.acc - 1) // every + 1, 0), spare)
+    slot = end_slot(state.acc, every, rec.y_cp.shape[0])
     return dataclasses.replace(rec, y_cp=rec.y_cp.at[slot].set(state.y))
 
 

@@ -70,6 +70,7 @@ from ..loop import (
     KEEP_ALL_MAX,
     LINEARIZE_CHUNK,
     LoopConfig,
+    end_slot,
     keeps_every_start,
     record_block,
     stepper,
@@ -313,8 +314,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     # The carries at the checkpoints as the record keeps every step's (`replay_carry`),
     # and the checkpoint slot holding each element's end (`loop.write_end`).
     k_cp_kept = method.replay_carry(k_cp)
-    end_slot = jnp.where(steps >= 1, (steps - 1) // every + 1, 0)
-    end_slot = jnp.minimum(end_slot, y_cp.shape[1] - 1).astype(jnp.int32)
+    last_end = end_slot(steps, every, y_cp.shape[1])
 
     def step_at(k):
         # Step `k`'s start time and size, per element (the same `k` for all of them).
@@ -529,7 +529,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 # The end of the step taken: of an element's last step in this segment,
                 # the segment's end; of its very last step, the solve's end.
                 y1 = select(row + 1 < m, pick_row(ends, row), after_last)
-                y1 = select(here, y1, pick_row(y_cp, end_slot))
+                y1 = select(here, y1, pick_row(y_cp, last_end))
                 known = jnp.ones_like(here)
                 k = jnp.minimum(jnp.where(here, k0 + row, last), cap - 1)[:, None]
                 t = jnp.take_along_axis(rec_t, k, 1)[:, 0]
@@ -604,7 +604,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=is_rows)
                 k1 = select(took, k1, jax.tree_util.tree_map(lambda b: b[:, 0], k_cp_kept))
                 # (The last step's end is the solve's: see `linearize_chunk`.)
-                end_y = select(idx[r] + 1 < m, get(ends), pick_row(y_cp, end_slot))
+                end_y = select(idx[r] + 1 < m, get(ends), pick_row(y_cp, last_end))
                 end = (end_y, jnp.ones_like(active))
                 t, h = t_rows[:, r], h_rows[:, r]
                 pullback = linearize_step(t, h, y, k1, end, ~active)
