@@ -476,18 +476,29 @@ def test_record_by_blocks_under_vmap_of_derivatives_of_the_gradient(x64):
 def test_jacrev_over_many_outputs_groups_its_cotangents(x64):
     """`jacrev` of a solve that kept every step's start: the batched sweep copies the
     record per cotangent, so the 33 cotangents go through in groups of at most
-    `KEEP_ALL_MAX` numbers (4 here, one after the other: BDF's carry holds its
-    factors, pivots and their row order); against `jacfwd` (forward sensitivities, an
-    independent rule)."""
+    `KEEP_ALL_MAX` numbers, one after the other (a `lax.map` whose body the shared
+    record enters unbatched); against `jacfwd` (forward sensitivities, an independent
+    rule)."""
     import re
+
+    from solvers.ode.loop import KEEP_ALL_MAX
 
     prob = PROBLEMS["rober"]
     p, y0 = _point("rober")
     f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
     ts = jnp.concatenate([jnp.zeros(1), jnp.logspace(-5, 3, 10)])
     solve = lambda p: odeint(f, y0, ts, p, method="bdf", rtol=1e-8, atol=1e-10)  # noqa: E731
-    text = str(jax.make_jaxpr(jax.jacrev(solve))(p))
-    assert set(re.findall(r"\[(\d+),4104,", text)) <= {"1", "4"}
+    closed = jax.make_jaxpr(jax.jacrev(solve))(p)
+    # The record: the state, the step's start and the carry (what a replay reads) of
+    # every step, `slots` rows each, shared by the groups.
+    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    slots = max(v.aval.shape[0] for v in scan.invars if v.aval.ndim)
+    shared = [v.aval for v in scan.invars if v.aval.ndim and v.aval.shape[0] == slots]
+    numbers = sum(a.size for a in shared)
+    group = KEEP_ALL_MAX // numbers
+    assert 1 < group < 33 and scan.params["length"] == 33 // group
+    sizes = set(re.findall(rf"\[(\d+),{slots}[,\]]", str(closed))) - {"1"}
+    assert sizes == {str(group), str(33 % group)} - {"0"}
     forward = jax.jacfwd(solve)(p)
     scale = np.max(np.abs(forward), axis=(0, 1))
     np.testing.assert_allclose(jax.jacrev(solve)(p) / scale, forward / scale, atol=1e-7)
