@@ -107,10 +107,9 @@ class TangentField:
         return jnp.concatenate([ydot, vdot])
 
     def step(self, method, z, kz, t, h, params, tol, end=None):
-        """One step of the pair: the primal step and its derivative. With `end =
-        (z1, known)` (the checkpointed adjoint's replay), the primal step's end where
-        `known` is `z1[:n]` (`AbstractMethod.replay_step`); its tangent is computed
-        again."""
+        """One step of the pair: the primal step and its derivative. With `end`, the
+        pair's end `z1` (the checkpointed adjoint's replay), the primal step's end is
+        `z1[:n]` (`AbstractMethod.replay_step`); its tangent is computed again."""
         n, k = self.n, self.n_pd
         pd, pn = params
         f = self.f
@@ -124,7 +123,7 @@ class TangentField:
             if end is None:
                 out = method.step_with_stages(field, y, carry, t, h, (p,), tol=base_tol)
             else:
-                primal_end = (jax.lax.stop_gradient(end[0][:n]), end[1])
+                primal_end = jax.lax.stop_gradient(end[:n])
                 out = method.replay_step(field, y, carry, t, h, (p,), primal_end, tol=base_tol)
             y1, err, k_next, ok, ks = out
             values, memory1 = partition_carry(k_next)

@@ -22,10 +22,12 @@ class ODEInfo(eqx.Module):
         num_fevals: evaluations of `func`: at `t[0]`, for the first step size, and by
             every step attempt (an implicit method also spends evaluations in its
             Newton iterations and Jacobians, not counted here).
-        num_jacobians: Jacobians of `func` evaluated (one per attempt of an implicit
-            method, none for an explicit one).
+        num_jacobians: Jacobians of `func` evaluated: one per attempt of an implicit
+            method, except where it keeps a step's factorisation for later steps
+            (`"bdf"`, and `"radau5"` on large systems), which counts only the
+            attempts that evaluated one; none for an explicit method.
         num_factorisations: factorisations of the stage matrices `I - h gamma J`
-            (one per distinct diagonal value per attempt).
+            (one per distinct diagonal value per attempt that factored).
         num_stage_failures: attempts rejected because their stage equations were
             not solved (Newton's iteration diverged or ran out of iterations).
         t_final: the time reached (`t[-1]` on success).

@@ -142,7 +142,7 @@ def stepper(field, method: AbstractMethod):
     """One step of `method` on `field` (called `field(y, t, *params)`):
     `step(y, carry, t, h, params, tol, end=None) -> (y1, y_error, carry1, ok,
     stages)`, with `carry` the method's (see `solvers.ode.methods`). The adjoint's
-    replay of a recorded step passes its end, `end = (y1, known)` (see
+    replay of a recorded step passes its end `end`, the solve's `y1` (see
     `AbstractMethod.replay_step`).
 
     A field may define its own `step(method, y, carry, t, h, params, tol, end=None)`:

@@ -244,8 +244,7 @@ def test_vmap_batch_of_sixteen():
 def test_replay_with_a_known_end_gives_the_step_and_its_derivative(x64):
     """`replay_step` with the step's end known takes it as the corrector's solution:
     the same step, and the same pull-back (the implicit derivative at that end) as the
-    step that iterates, to the corrector's tolerance; with the end not known it is the
-    step itself."""
+    step that iterates, to the corrector's tolerance."""
     prob = PROBLEMS["rober"]
     f = lambda y, t, params: prob["f"](y, t, params[0], jnp)  # noqa: E731
     p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
@@ -268,16 +267,14 @@ def test_replay_with_a_known_end_gives_the_step_and_its_derivative(x64):
     cts = jax.tree_util.tree_map(
         lambda x: jnp.cos(jnp.arange(x.size) + 0.3).reshape(x.shape), plain
     )
-    for known in (True, False):
-        end = (y1, jnp.array(known))
-        got, pullback_known = jax.vjp(lambda y, p, end=end: run(y, p, end), y0, p)
-        for a, b in zip(got, plain):
-            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-14)
-        for a, b in zip(pullback_known(cts), pullback(cts)):
-            np.testing.assert_allclose(a, b, rtol=1e-7)
+    got, pullback_known = jax.vjp(lambda y, p: run(y, p, y1), y0, p)
+    for a, b in zip(got, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-14)
+    for a, b in zip(pullback_known(cts), pullback(cts)):
+        np.testing.assert_allclose(a, b, rtol=1e-7)
     # The end is taken as given, not recomputed.
     other = y1 + 1e-3
-    np.testing.assert_array_equal(run(y0, p, (other, jnp.array(True)))[0], other)
+    np.testing.assert_array_equal(run(y0, p, other)[0], other)
 
 
 @pytest.mark.parametrize("n", [3, 100])
@@ -314,7 +311,7 @@ def test_replay_with_a_known_end_reads_only_the_recorded_carry(x64):
     assert kept.memory.factors is None and carry.memory.factors is not None
     np.testing.assert_array_equal(kept.D, carry.D)
     h = 2e-4
-    end = (method.step(f, y0, carry, 0.0, h, (p,))[0], jnp.array(True))
+    end = method.step(f, y0, carry, 0.0, h, (p,))[0]
 
     def run(y, p, c):
         out = method.replay_step(f, y, c, 0.0, h, (p,), end)
@@ -343,11 +340,11 @@ def test_replay_with_a_known_end_reads_only_the_recorded_carry(x64):
     z1, _, kz1, _, _ = step(z0, kz, 0.0, 1.1e-4, params, tol)
     assert kz1.memory.work == 0  # (the factorisation was reused)
     kept = method.replay_carry(kz)
-    z1_kept = step(z0, kept, 0.0, 1.1e-4, params, tol, (z1, jnp.array(True)))[0]
+    z1_kept = step(z0, kept, 0.0, 1.1e-4, params, tol, z1)[0]
     np.testing.assert_allclose(z1_kept, z1, rtol=1e-12, atol=1e-300)
     # The tangent half is computed again, not taken from the end.
     off = z1.at[3:].add(1.0)
     np.testing.assert_allclose(
-        step(z0, kept, 0.0, 1.1e-4, params, tol, (off, jnp.array(True)))[0], z1,
+        step(z0, kept, 0.0, 1.1e-4, params, tol, off)[0], z1,
         rtol=1e-12, atol=1e-300,
     )  # fmt: skip

@@ -296,15 +296,15 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         rows0 = jax.tree_util.tree_map(lambda b: b[0], (rec_t, rec_h, y_last, k_last))
         block = record_block(every, cap, rows0, size)
 
-    def one_step(y, k1, t, h, pd, pn, *end):
+    def one_step(y, k1, t, h, pd, pn, end=None):
         # One element's step from `y` with carry `k1`, with what its interpolant is
-        # built from: (y1, k_next, f at y1, ks). With `end = (y1, known)`, the step's
-        # end where `known` (`replay_step`).
-        y1, _, k_next, _, ks = step(y, k1, t, h, (pd, pn), loop.stage_tol, end or None)
+        # built from: (y1, k_next, f at y1, ks). With `end`, the step's end the solve
+        # computed (`replay_step`).
+        y1, _, k_next, _, ks = step(y, k1, t, h, (pd, pn), loop.stage_tol, end)
         return y1, k_next, method.slope(k_next), ks
 
     batch_step = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes))
-    batch_replay = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes, 0, 0))
+    batch_replay = _map_batch(one_step, size, (0, 0, 0, 0, pd_axes, pn_axes, 0))
     batch_field = _map_batch(f, size, (0, 0, pd_axes, pn_axes))
 
     def pick_row(x, i):
@@ -389,19 +389,18 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
     def linearize_step(t, h, y, k1, end, stand_in):
         """The step from `(t, y)` of size `h` (per element) with carry `k1`, its end
-        `end = (y1, known)` (see `replay_step`), linearised: its pull-back, a pytree of
+        `end` (see `replay_step`), linearised: its pull-back, a pytree of
         the linearisation's values (see `jax.vjp`). Where `stand_in` (a masked element,
         see `linearize_chunk`), a recorded size of 0 (a solve that took no step) is
         replaced by a tiny one, whose stage matrix is about the identity over it."""
         tiny = jnp.sqrt(jnp.finfo(h.dtype).eps) * jnp.maximum(jnp.abs(t), 1)
         h = jnp.where(stand_in & (h == 0), tiny, h)
-        y1, known = end
         # Only the carry's values are differentiated; its memory is replayed as it was.
         values, memory = partition_carry(k1)
 
         def step_values(y, values, pd):
             carry = combine_carry(values, memory)
-            y1_, k_next, slope, ks = batch_replay(y, carry, t, h, pd, pn, y1, known)
+            y1_, k_next, slope, ks = batch_replay(y, carry, t, h, pd, pn, end)
             return y1_, partition_carry(k_next)[0], slope, ks
 
         return jax.vjp(step_values, y, values, pd)[1]
@@ -530,11 +529,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 # the segment's end; of its very last step, the solve's end.
                 y1 = select(row + 1 < m, pick_row(ends, row), after_last)
                 y1 = select(here, y1, pick_row(y_cp, last_end))
-                known = jnp.ones_like(here)
                 k = jnp.minimum(jnp.where(here, k0 + row, last), cap - 1)[:, None]
                 t = jnp.take_along_axis(rec_t, k, 1)[:, 0]
                 h = jnp.take_along_axis(rec_h, k, 1)[:, 0]
-                pullback = linearize_step(t, h, y, k1, (y1, known), ~active)
+                pullback = linearize_step(t, h, y, k1, y1, ~active)
                 leaves, treedef = jax.tree_util.tree_flatten(pullback)
                 # Only JAX arrays cross the `vmap`; anything else in the pull-back (a
                 # marker object, a NumPy constant) is the same for every step and is
@@ -604,8 +602,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=is_rows)
                 k1 = select(took, k1, jax.tree_util.tree_map(lambda b: b[:, 0], k_cp_kept))
                 # (The last step's end is the solve's: see `linearize_chunk`.)
-                end_y = select(idx[r] + 1 < m, get(ends), pick_row(y_cp, last_end))
-                end = (end_y, jnp.ones_like(active))
+                end = select(idx[r] + 1 < m, get(ends), pick_row(y_cp, last_end))
                 t, h = t_rows[:, r], h_rows[:, r]
                 pullback = linearize_step(t, h, y, k1, end, ~active)
                 moments = None if moment_rows is None else get(moment_rows)

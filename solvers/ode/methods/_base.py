@@ -289,10 +289,10 @@ class AbstractMethod(abc.ABC):
 
     def replay_step(self, f, y, carry, t, h, params, end, *, tol=None):
         """`step_with_stages` again for the checkpointed adjoint, which knows the step's
-        end: `end = (y1, known)`, `y1` the end the solve computed wherever the bool
-        `known` holds. By default it is recomputed. A method whose stage equation has
-        `y1` itself as its solution (BDF's corrector) takes it instead of iterating
-        again: the derivative is the same implicit one, taken at `y1`."""
+        end: `end` is the `y1` the solve computed. By default the step is recomputed. A
+        method whose stage equation has `y1` itself as its solution (BDF's corrector)
+        takes it instead of iterating again: the derivative is the same implicit one,
+        taken at `y1`."""
         del end
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol)
 

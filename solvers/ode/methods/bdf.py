@@ -391,21 +391,13 @@ class BDF(AbstractMethod):
         if end is None:
             solve = iterate
         else:
-            # A replay whose end is known (see `replay_step`): the corrector's solution
-            # is that end, and only a step whose end is not known iterates. A carry
-            # without the factors its solver keeps (`replay_carry`: the checkpointed
-            # adjoint records its steps so, and knows every end) takes the end as
-            # given wherever: iterating from it would factor afresh where the solve
-            # reused, and end elsewhere.
-            y1_end, known = end
-            reduced = mem.factors is None and factor_shapes(solver, y.shape, dt) is not None
-
+            # A replay (see `replay_step`): the corrector's solution is the end the
+            # solve computed, taken as given. (Iterating again would not do: from a
+            # carry without its factors, `replay_carry`, it would factor afresh where
+            # the solve reused them, and end elsewhere.)
             def solve(res, z0):
-                zero = jnp.zeros((), jnp.int32)
-                given = y1_end, (jnp.ones((), bool), mem.factors, zero)
-                if reduced:
-                    return given
-                return keep_or_compute(known, given, lambda: iterate(res, z0))
+                del res, z0
+                return end, (jnp.ones((), bool), mem.factors, jnp.zeros((), jnp.int32))
 
         y1, aux = custom_root(residual, y_pred, solve, solver, has_aux=True)
         ok, factors, work = stat(aux)
