@@ -58,9 +58,9 @@ def test_falling_ball_time_state_and_derivatives(x64, method):
     t, v = hit(h, g, **kw)
     np.testing.assert_allclose(t, t_exact(h, g), rtol=1e-10)
     np.testing.assert_allclose(v, -np.sqrt(2 * g * h), rtol=1e-10)
-    dt = jax.grad(lambda h, g: hit(h, g, **kw)[0], (0, 1))(h, g)
+    dt = jax.jit(jax.grad(lambda h, g: hit(h, g, **kw)[0], (0, 1)))(h, g)
     np.testing.assert_allclose(dt, dt_exact(h, g), rtol=1e-8)
-    dv = jax.jacfwd(lambda h, g: hit(h, g, **kw)[1], (0, 1))(h, g)
+    dv = jax.jit(jax.jacfwd(lambda h, g: hit(h, g, **kw)[1], (0, 1)))(h, g)
     np.testing.assert_allclose(dv, dv_exact(h, g), rtol=1e-8)
 
 

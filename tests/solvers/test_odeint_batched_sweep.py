@@ -65,18 +65,20 @@ def test_shared_parameters_summed_over_the_batch(x64, method, interpolate):
         return jnp.sum(jnp.sin(ys))
 
     y0s = jnp.asarray(Y0S)
-    g_y0, g_w, g_c = jax.grad(loss, argnums=(0, 1, 2))(y0s, 1.3, 0.5)
+    g_y0, g_w, g_c = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(y0s, 1.3, 0.5)
 
     def one(y0, w, c):
         return jnp.sum(jnp.sin(solve(y0, w, c, method, interpolate)))
 
-    per = [jax.grad(one, argnums=(0, 1, 2))(y0, 1.3, 0.5) for y0 in y0s]
+    grad_one = jax.jit(jax.grad(one, argnums=(0, 1, 2)))
+    per = [grad_one(y0, 1.3, 0.5) for y0 in y0s]
     np.testing.assert_allclose(g_y0, np.stack([p[0] for p in per]), rtol=1e-10, atol=1e-13)
     np.testing.assert_allclose(g_w, sum(p[1] for p in per), rtol=1e-10)
     np.testing.assert_allclose(g_c, sum(p[2] for p in per), rtol=1e-10)
     # Forward mode (forward sensitivities) is an independent rule.
-    np.testing.assert_allclose(g_w, jax.jacfwd(loss, 1)(y0s, 1.3, 0.5), rtol=1e-8)
-    np.testing.assert_allclose(g_c, jax.jacfwd(loss, 2)(y0s, 1.3, 0.5), rtol=1e-8)
+    f_w, f_c = jax.jit(jax.jacfwd(loss, (1, 2)))(y0s, 1.3, 0.5)
+    np.testing.assert_allclose(g_w, f_w, rtol=1e-8)
+    np.testing.assert_allclose(g_c, f_c, rtol=1e-8)
 
 
 def test_elements_with_different_step_counts_and_several_segments(x64):
@@ -94,8 +96,9 @@ def test_elements_with_different_step_counts_and_several_segments(x64):
 
     # The discrete adjoint is exact for the computed solution; central differences see
     # the step sizes move too, so compare at the solve's own tolerance.
-    np.testing.assert_allclose(jax.grad(loss)(1.3), central(loss, 1.3), rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-9)
+    grad = jax.jit(jax.grad(loss))(1.3)
+    np.testing.assert_allclose(grad, central(jax.jit(loss), 1.3), rtol=1e-6)
+    np.testing.assert_allclose(grad, jax.jit(jax.jacfwd(loss))(1.3), rtol=1e-9)
 
 
 @pytest.mark.parametrize("method", ["radau5", pytest.param("bdf", marks=pytest.mark.slow)])
@@ -133,12 +136,13 @@ def test_batched_parameters_and_a_shared_initial_state(x64):
     def loss(y0, ws):
         return jnp.sum(jax.vmap(lambda w: solve(y0, w, 0.5))(ws) ** 2)
 
-    g_y0, g_ws = jax.grad(loss, argnums=(0, 1))(y0, ws)
+    g_y0, g_ws = jax.jit(jax.grad(loss, argnums=(0, 1)))(y0, ws)
     one = lambda y0, w: jnp.sum(solve(y0, w, 0.5) ** 2)  # noqa: E731
-    per = [jax.grad(one, argnums=(0, 1))(y0, w) for w in ws]
+    grad_one = jax.jit(jax.grad(one, argnums=(0, 1)))
+    per = [grad_one(y0, w) for w in ws]
     np.testing.assert_allclose(g_y0, sum(p[0] for p in per), rtol=1e-10)
     np.testing.assert_allclose(g_ws, [p[1] for p in per], rtol=1e-10)
-    np.testing.assert_allclose(g_ws, jax.jacfwd(loss, 1)(y0, ws), rtol=1e-8)
+    np.testing.assert_allclose(g_ws, jax.jit(jax.jacfwd(loss, 1))(y0, ws), rtol=1e-8)
 
 
 @pytest.mark.slow
@@ -211,7 +215,9 @@ def test_many_outputs_a_few_at_a_time_under_vmap(x64):
         ys = jax.vmap(lambda y0: solve(y0, w, 0.5, ts=ts))(jnp.asarray(Y0S))
         return jnp.mean(ys**2)
 
-    np.testing.assert_allclose(jax.grad(loss)(1.3), jax.jacfwd(loss)(1.3), rtol=1e-8)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(loss))(1.3), jax.jit(jax.jacfwd(loss))(1.3), rtol=1e-8
+    )
 
 
 @pytest.mark.slow

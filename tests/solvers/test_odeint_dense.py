@@ -79,7 +79,7 @@ def test_reverse_mode_against_closed_form(x64, adjoint):
         return jnp.sum(jnp.sin(ys))
 
     y0, k = 1.2, 1.5
-    g_y0, g_k = jax.grad(loss, (0, 1))(y0, k)
+    g_y0, g_k = jax.jit(jax.grad(loss, (0, 1)))(y0, k)
     ys = y0 * np.exp(-k * TQ)
     np.testing.assert_allclose(g_y0, np.sum(np.cos(ys) * np.exp(-k * TQ)), rtol=1e-5)
     np.testing.assert_allclose(g_k, np.sum(np.cos(ys) * -TQ * ys), rtol=1e-5)
@@ -126,9 +126,11 @@ def test_vmap_jit_and_per_element_steps(x64, adjoint):
 
     g = jax.vmap(jax.grad(lambda k: _dense(decay, 1.0, k, adjoint=adjoint).evaluate(0.9)))(ks)
     np.testing.assert_allclose(g, -0.9 * np.exp(-0.9 * ks), rtol=1e-5)
-    gv = jax.grad(
-        lambda ks: jnp.sum(
-            jax.vmap(lambda k: _dense(decay, 1.0, k, adjoint=adjoint).evaluate(0.9))(ks)
+    gv = jax.jit(
+        jax.grad(
+            lambda ks: jnp.sum(
+                jax.vmap(lambda k: _dense(decay, 1.0, k, adjoint=adjoint).evaluate(0.9))(ks)
+            )
         )
     )(ks)
     np.testing.assert_allclose(gv, g, rtol=1e-10)

@@ -92,8 +92,8 @@ def test_checkpoint_gradient_is_exact_for_the_interpolated_outputs(x64, method):
         return jnp.sum(jnp.sin(ys) * jnp.arange(1, 1 + ys.shape[0])[:, None])
 
     y0 = jnp.array([0.8, -0.4])
-    rev = jax.grad(loss, argnums=(0, 1))(y0, W)
-    fwd = jax.jacfwd(loss, argnums=(0, 1))(y0, W)
+    rev = jax.jit(jax.grad(loss, argnums=(0, 1)))(y0, W)
+    fwd = jax.jit(jax.jacfwd(loss, argnums=(0, 1)))(y0, W)
     np.testing.assert_allclose(rev[0], fwd[0], rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(rev[1], fwd[1], rtol=1e-11, atol=1e-11)
     # Central differences of the same computed outputs. The steps follow `w` here (the
@@ -121,8 +121,8 @@ def test_hessian_and_closed_form_derivatives(x64, adjoint):
         return jnp.sum(0.8 * jnp.cos(w * TS) - 0.4 / w * jnp.sin(w * TS))
 
     d1, d2 = jax.grad(exact)(W), jax.hessian(exact)(W)
-    np.testing.assert_allclose(jax.grad(total)(W), d1, rtol=1e-6)
-    np.testing.assert_allclose(jax.hessian(total)(W), d2, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(total))(W), d1, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.hessian(total))(W), d2, rtol=1e-5)
 
 
 # (Per-element steps under vmap are also in test_odeint_dense and test_odeint_batched_sweep.)
@@ -167,7 +167,7 @@ def test_many_outputs_per_step_on_a_large_state(x64):
     direction = jnp.cos(jnp.arange(n))
     weights = jnp.sin(jnp.arange(40 * n).reshape(40, n))
     loss = lambda y0, s: jnp.sum(weights * solve(y0, s))  # noqa: E731
-    g_y0, g_s = jax.grad(loss, argnums=(0, 1))(y0, 1.0)
+    g_y0, g_s = jax.jit(jax.grad(loss, argnums=(0, 1)))(y0, 1.0)
     t_y0 = jax.jvp(lambda y0: loss(y0, 1.0), (y0,), (direction,))[1]
     t_s = jax.jvp(lambda s: loss(y0, s), (1.0,), (1.0,))[1]
     np.testing.assert_allclose(jnp.dot(g_y0, direction), t_y0, rtol=1e-10)

@@ -567,6 +567,7 @@ def test_ulp_perturbed_output_times_every_method(x64, method, adjoint):
     tol = 1e-6 if method == "bosh3" else 1e-8
     kw.update(dt=0.01) if method == "rk4" else kw.update(rtol=tol, atol=tol)
 
+    @jax.jit
     def grad(ts):
         loss = lambda p: jnp.sum(odeint(_oscillator, jnp.array([1.0, 0.0]), ts, p, **kw))  # noqa: E731
         return jax.grad(loss)(jnp.array([4.0, 0.3]))

@@ -187,10 +187,10 @@ def test_banded_stage_solves_on_a_line_of_points(x64, method):
         )  # fmt: skip
 
     band = linear_solve.Banded(lower=2, upper=2, throw=False)
-    (yb, ib), (yd, idn) = run(1.0, band), run(1.0, None)
+    (yb, ib), (yd, idn) = (jax.jit(lambda a, s=s: run(a, s))(1.0) for s in (band, None))
     assert int(ib.steps) == int(idn.steps)
     np.testing.assert_allclose(yb, yd, rtol=1e-11, atol=1e-12)
-    g = lambda solver: jax.grad(lambda a: jnp.sum(run(a, solver)[0][-1]))(1.0)  # noqa: E731
+    g = lambda solver: jax.jit(jax.grad(lambda a: jnp.sum(run(a, solver)[0][-1])))(1.0)  # noqa: E731
     np.testing.assert_allclose(g(band), g(None), rtol=1e-8)
     with pytest.raises((RuntimeError, ValueError), match=r"outside this band"):
         jax.block_until_ready(run(1.0, linear_solve.Banded(lower=1, upper=1, throw=False)))
@@ -232,10 +232,10 @@ def test_sparse_stage_solves_on_copies_stored_field_by_field(x64, method):
             return_info=True,
         )  # fmt: skip
 
-    (ys, info_s), (yd, info_d) = run(k0, sparse), run(k0, None)
+    (ys, info_s), (yd, info_d) = (jax.jit(lambda k, s=s: run(k, s))(k0) for s in (sparse, None))
     assert int(info_s.steps) == int(info_d.steps)
     np.testing.assert_allclose(ys, yd, rtol=1e-10, atol=1e-14)
-    g = lambda solver: jax.grad(lambda k: jnp.sum(run(k, solver)[0][-1, 1]))(k0)  # noqa: E731
+    g = lambda solver: jax.jit(jax.grad(lambda k: jnp.sum(run(k, solver)[0][-1, 1])))(k0)  # noqa: E731
     np.testing.assert_allclose(g(sparse), g(None), rtol=1e-8)
 
 
