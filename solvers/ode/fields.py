@@ -107,9 +107,10 @@ class TangentField:
         return jnp.concatenate([ydot, vdot])
 
     def step(self, method, z, kz, t, h, params, tol, end=None):
-        """One step of the pair: the primal step and its derivative. With `end`, the
-        pair's end `z1` (the checkpointed adjoint's replay), the primal step's end is
-        `z1[:n]` (`AbstractMethod.replay_step`); its tangent is computed again."""
+        """One step of the pair: the primal step and its derivative. With `end` (the
+        pair's end `z1`, from the checkpointed adjoint's replay), the primal step takes
+        `z1[:n]` as its end (`AbstractMethod.replay_step`); its tangent is computed
+        again."""
         n, k = self.n, self.n_pd
         pd, pn = params
         f = self.f

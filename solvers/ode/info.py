@@ -24,8 +24,9 @@ class ODEInfo(eqx.Module):
             Newton iterations and Jacobians, not counted here).
         num_jacobians: Jacobians of `func` evaluated: one per attempt of an implicit
             method, except where it keeps a step's factorisation for later steps
-            (`"bdf"`, and `"radau5"` on large systems), which counts only the
-            attempts that evaluated one; none for an explicit method.
+            (`"bdf"`, and `"radau5"` from 16 states on with a solver that keeps
+            factors), which counts only the attempts that evaluated one; none for an
+            explicit method.
         num_factorisations: factorisations of the stage matrices `I - h gamma J`
             (one per distinct diagonal value per attempt that factored).
         num_stage_failures: attempts rejected because their stage equations were

@@ -297,11 +297,10 @@ class AbstractMethod(abc.ABC):
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol)
 
     def replay_carry(self, carry):
-        """The part of `carry` that `replay_step` reads when the step's end is known: the
-        checkpointed adjoint records every step's carry in this form (the carries it
-        replays steps from, at its checkpoints, whole). By default all of it; BDF
-        leaves out the factorisation it may reuse, which a replay with a known end
-        never iterates with."""
+        """The part of `carry` that `replay_step` reads: the checkpointed adjoint records
+        every step's carry in this form (the carries it replays steps from, at its
+        checkpoints, whole). By default all of it; BDF leaves out the factorisation it
+        may reuse, which a replay never iterates with."""
         return carry
 
     def step(self, f, y, carry, t, h, params, *, tol=None):
