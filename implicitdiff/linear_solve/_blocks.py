@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._banded import rows_differ
+from ._unrolled import UNROLLED_LU_MAX, unrolled_lu
 
 __all__ = [
     "BLOCK_MAX",
@@ -85,9 +86,14 @@ def _scatter(xb: jax.Array, blocks: np.ndarray, n: int) -> jax.Array:
 
 def block_lu(blocks: jax.Array):
     """LU factors of each block with partial pivoting: `(lu, P, perm)`, `P` the
-    permutation as a one-hot matrix (`P x = x[perm]`, `P A = L U`)."""
-    lu, _, perm = jax.vmap(jax.lax.linalg.lu)(blocks)
+    permutation as a one-hot matrix (`P x = x[perm]`, `P A = L U`). Blocks of up to
+    `UNROLLED_LU_MAX` unknowns are factored all at once, entry by entry (LAPACK would
+    factor them one after another)."""
     size = blocks.shape[-1]
+    if size <= UNROLLED_LU_MAX:
+        lu, _, perm = unrolled_lu(blocks)
+    else:
+        lu, _, perm = jax.vmap(jax.lax.linalg.lu)(blocks)
     onehot = (perm[:, :, None] == np.arange(size)[None, None, :]).astype(blocks.dtype)
     return lu, onehot, perm.astype(jnp.int32)
 

@@ -13,6 +13,7 @@ from jax.flatten_util import ravel_pytree
 from ._base import MatVec, PyTree, as_operator
 from ._checks import as_arrays, check_throw
 from ._factored import Factored
+from ._unrolled import UNROLLED_LU_MAX, unrolled_lu
 
 __all__ = ["Dense", "DenseState", "dense", "materialise"]
 
@@ -134,13 +135,16 @@ class Dense(Factored):
 
 
 def _factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(lu, pivots, perm)`: LAPACK's factors and, for the written-out substitutions
+    """`(lu, pivots, perm)`: LAPACK's factors (written out up to `UNROLLED_LU_MAX`
+    unknowns, see `unrolled_lu`) and, for the written-out substitutions
     (up to `SUBSTITUTE_MAX` unknowns; else empty), the row order of `P A = L U` (row
     `i` swapped with row `pivots[i]`, in turn). The row order is computed once with the
     factors: `lax.linalg.lu_pivots_to_permutation` is a loop, which at each solve
     would run inside the loop of every Newton iteration that reuses the factors."""
+    n = matrix.shape[-1]
+    if 0 < n <= UNROLLED_LU_MAX:
+        return unrolled_lu(matrix)
     lu, pivots = jsp_linalg.lu_factor(matrix)
-    n = lu.shape[-1]
     if 0 < n <= SUBSTITUTE_MAX:
         return lu, pivots, jax.lax.linalg.lu_pivots_to_permutation(pivots, n)
     return lu, pivots, jnp.zeros((0,), pivots.dtype)

@@ -318,3 +318,57 @@ def test_dense_solves_either_side_of_the_substitution_size(x64, n, make):
         )
         want = np.linalg.solve(np.asarray(mats[0]), np.asarray(rhs).T).T
         np.testing.assert_allclose(run_one(batch[0], rhs), want, rtol=1e-10, atol=bound)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
+def test_unrolled_lu_gives_lapacks_factors(x64, n, dtype):
+    """Up to `UNROLLED_LU_MAX` unknowns the LU factors are written out entry by entry,
+    over a batch at once: on random matrices, the same row exchanges as LAPACK's
+    `getrf` (the first largest magnitude, `|re| + |im|` for complex) and the same
+    factors to rounding; on integer matrices (ties: rounding may then pick another
+    row), `L U = A[perm]` with every multiplier at most 1 in magnitude (sqrt 2 for
+    complex) and LAPACK's first exchange; with a zero column (singular), finite
+    factors with a zero pivot, as LAPACK's. `Dense` and the sparse solver's blocks use
+    them up to that size and LAPACK above it."""
+    from implicitdiff.linear_solve import _blocks, _dense
+    from implicitdiff.linear_solve._unrolled import UNROLLED_LU_MAX, unrolled_lu
+
+    assert UNROLLED_LU_MAX == 4
+    rng = np.random.default_rng(n)
+    a = rng.normal(size=(2, 40, n, n))
+    if dtype == np.complex128:
+        a = a + 1j * rng.normal(size=a.shape)
+    a[:, 20:] = np.round(3 * a[:, 20:])
+    a[:, 35:, :, 0] = 0
+    a = jnp.asarray(a.astype(dtype))
+    lu, pivots, perm = jax.jit(unrolled_lu)(a)
+    want_lu, want_pivots, want_perm = jax.lax.linalg.lu(a)
+    assert lu.dtype == a.dtype and pivots.dtype == perm.dtype == jnp.int32
+    eps = np.finfo(dtype).eps
+    lu, want_lu, perm, a = (np.asarray(x) for x in (lu, want_lu, perm, a))
+    scale = np.maximum(np.max(np.abs(a), axis=(-2, -1), keepdims=True), 1)
+    random = slice(0, 20)
+    np.testing.assert_array_equal(pivots[:, random], want_pivots[:, random])
+    np.testing.assert_array_equal(perm[:, random], want_perm[:, random])
+    err = (
+        np.abs(lu - want_lu)[:, random]
+        / np.max(np.abs(want_lu), axis=(-2, -1))[:, random, None, None]
+    )
+    assert np.max(err) < 20 * n * eps
+    # Every matrix: P A = L U, |L| <= 1, LAPACK's first exchange, finite factors.
+    lower = np.tril(lu, -1) + np.eye(n)
+    upper = np.triu(lu)
+    rows = np.take_along_axis(a, perm[..., None], axis=-2)
+    assert np.max(np.abs(lower @ upper - rows) / scale) < 20 * n * eps
+    # (For complex the pivot's |re| + |im| is largest, so its modulus is within sqrt 2.)
+    bound = np.sqrt(2) if dtype == np.complex128 else 1
+    assert np.max(np.abs(np.tril(lu, -1))) <= bound * (1 + eps) and np.isfinite(lu).all()
+    np.testing.assert_array_equal(pivots[..., 0], want_pivots[..., 0])
+    assert (lu[:, 35:, 0, 0] == 0).all() and (want_lu[:, 35:, 0, 0] == 0).all()
+    # The dispatch: written out up to the limit, LAPACK above it.
+    for size in (UNROLLED_LU_MAX, UNROLLED_LU_MAX + 1):
+        m = jnp.eye(size, dtype=dtype)
+        dense = jax.jit(_dense._factor).lower(m).as_text()
+        blocks = jax.jit(_blocks.block_lu).lower(jnp.stack([m, m])).as_text()
+        assert ("getrf" in dense) == ("getrf" in blocks) == (size > UNROLLED_LU_MAX)
