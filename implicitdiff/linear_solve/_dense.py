@@ -30,9 +30,9 @@ SUBSTITUTE_TRANSPOSE_MAX = 4
 
 
 class DenseState(NamedTuple):
-    """The state of `Dense`: the operator, the LU factors of its matrix
-    (`jax.scipy.linalg.lu_factor`) and, up to `SUBSTITUTE_MAX` unknowns, the row order
-    the pivots give (`perm`; empty above).
+    """The state of `Dense`: the operator, the LU factors of its matrix (as
+    `jax.scipy.linalg.lu_factor` gives them) and, up to `SUBSTITUTE_MAX` unknowns, the
+    row order the pivots give (`perm`; empty above).
 
     The solves use the factors; their derivatives with respect to the operator come from
     the operator itself (`dx = -A^{-1} dA x`, one more solve with the same factors), so
@@ -76,7 +76,8 @@ class Dense(Factored):
     are two triangular solves each, with the same factors, and so are their derivatives
     (the factorisation itself is never differentiated). For a system so small that a
     LAPACK call costs more than the solve (up to 8 unknowns, 4 for solves with `A^T`),
-    the two triangular solves are written out as scalar substitution. Cost: `n`
+    the two triangular solves are written out as scalar substitution, and up to 4
+    unknowns so is the factorisation (`UNROLLED_LU_MAX`). Cost: `n`
     matvecs, `O(n^2)` memory and `O(n^3)` time to factor for `n` unknowns, `O(n^2)` per
     solve, so use it for small systems (up to a few hundred or thousand unknowns). It is
     exact up to rounding whatever the symmetry or conditioning.
