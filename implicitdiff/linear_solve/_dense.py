@@ -78,10 +78,9 @@ class Dense(Factored):
     LAPACK call costs more than the solve (up to 8 unknowns, 4 for solves with `A^T`),
     the two triangular solves are written out as scalar substitution, and up to 4
     unknowns the factorisation is written out entry by entry (`UNROLLED_LU_MAX`).
-    Cost: `n`
-    matvecs, `O(n^2)` memory and `O(n^3)` time to factor for `n` unknowns, `O(n^2)` per
-    solve, so use it for small systems (up to a few hundred or thousand unknowns). It is
-    exact up to rounding whatever the symmetry or conditioning.
+    Cost: `n` matvecs, `O(n^2)` memory and `O(n^3)` time to factor for `n` unknowns,
+    `O(n^2)` per solve, so use it for small systems (up to a few hundred or thousand
+    unknowns). It is exact up to rounding whatever the symmetry or conditioning.
 
     Arguments:
         symmetric: the operator is symmetric; then the one-shot call differentiates in
