@@ -51,8 +51,6 @@ def unrolled_lu(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
             hit = best == r
             top = [jnp.where(hit, rows[r][j], top[j]) for j in range(n)]
             top_perm = jnp.where(hit, perm[r], top_perm)
-        for r in range(k + 1, n):
-            hit = best == r
             rows[r] = [jnp.where(hit, rows[k][j], rows[r][j]) for j in range(n)]
             perm[r] = jnp.where(hit, perm[k], perm[r])
         rows[k], perm[k] = top, top_perm
