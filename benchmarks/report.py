@@ -56,7 +56,8 @@ SECTIONS: list[tuple[str, str]] = [
         "time by our stiff methods (kvaerno5, radau5, bdf, rodas5p), diffrax's Kvaerno3/4/5 "
         "and SciPy (given the Jacobian). The error is against SciPy's Radau at "
         "`rtol = 1e-12`; `grad` is `jit(grad)` of the sum of the final state with "
-        "respect to the parameters. The step-adjoint floor is not a solver: rodas5p's "
+        "respect to the parameters, and its compile time one fresh compile (trace, "
+        "lower, XLA) after `jax.clear_caches()`. The step-adjoint floor is not a solver: rodas5p's "
         "step in a loop, and the same step linearised and pulled back by `jax.vjp`: "
         "what an adjoint that recomputes its steps pays per step.",
     ),
