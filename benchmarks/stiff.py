@@ -1,6 +1,7 @@
 """Stiff problems of the IVP test set: `odeint`'s stiff methods against diffrax and SciPy.
 
-Problems (float64): ROBER to `t = 1e5`, HIRES, VDPOL with `eps = 1e-6`, OREGO, the
+Problems (float64): ROBER to `t = 1e5`, HIRES, VDPOL with `eps = 1e-6`, OREGO, POLLU
+(an air-pollution model of 20 species, its 25 rate constants the parameters), the
 Brusselator on a line of 64 points (128 states; `--full` adds 256 points) and ROBER as
 a differential-algebraic system (the conservation law `y1 + y2 + y3 = 1` as its third
 equation: ours with `mass_matrix`, the peers on the equivalent ODE), and the transistor
@@ -40,7 +41,7 @@ step-size control and outputs, so its ratio may fall below that.
 
 Usage::
 
-    python -m benchmarks.stiff            # --quick (default): a few minutes on 2 cores
+    python -m benchmarks.stiff            # --quick (default): about 15 minutes on 2 cores
     python -m benchmarks.stiff --full     # larger Brusselator, more tolerances, repeats
 """
 
@@ -70,7 +71,15 @@ from benchmarks._timing import fmt, interleaved, ratio, sci  # noqa: E402
 from benchmarks._workers import write_report  # noqa: E402
 from solvers import odeint  # noqa: E402
 from solvers.ode.odeint import SPARSE_STAGE_MIN_STATES  # noqa: E402
-from tests.solvers.stiff_problems import PROBLEMS, bruss, hires, orego, rober, vdpol  # noqa: E402
+from tests.solvers.stiff_problems import (  # noqa: E402
+    PROBLEMS,
+    bruss,
+    hires,
+    orego,
+    pollu,
+    rober,
+    vdpol,
+)
 
 NAME = "stiff"
 OURS = ("kvaerno5", "radau5", "bdf", "rodas5p")
@@ -186,6 +195,7 @@ def problems(mode: str) -> list[Problem]:
         Problem("HIRES (8)", hires, *of("hires"), 321.8122, 1e-6, 1e-6),
         Problem("VDPOL (2)", vdpol, *of("vdpol"), 2.0, 1e-6, 1e-6),
         Problem("OREGO (3)", orego, *of("orego"), 360.0, 1e-6, 1e-6),
+        Problem("POLLU (20)", pollu, *of("pollu"), 60.0, 1e-6, 1e-10),
         _bruss_problem(64),
         Problem("ROBER DAE (3)", rober_dae, *of("rober"), 1e5, 1e-6, 1e-10, (1.0, 1.0, 0.0), rober),
         _amplifier_problem(),

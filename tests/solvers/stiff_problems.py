@@ -67,6 +67,61 @@ def orego(y, t, p, xp):
     )
 
 
+#: POLLU's reactions: the species (0-based) whose product, times the rate constant,
+#: gives each reaction's rate, in the test set's order.
+_POLLU_REACTANTS = (
+    (0,), (1, 3), (4, 1), (6,), (6,), (6, 5), (8,), (8, 5), (10, 1), (10, 0), (12,),
+    (9, 1), (13,), (0, 5), (2,), (3,), (3,), (15,), (15,), (16, 5), (18,), (18,), (0, 3),
+    (18, 0), (19,),
+)  # fmt: skip
+
+
+def pollu(y, t, p, xp):
+    """POLLU: an air-pollution model (Verwer), 20 species and 25 reactions, `p` the
+    25 rate constants (from 1.3e-4 to 4.4e11)."""
+    r = [None]  # r[j]: reaction j's rate, numbered from 1 as in the test set
+    for k, species in zip(p, _POLLU_REACTANTS):
+        rate = k * y[species[0]]
+        r.append(rate if len(species) == 1 else rate * y[species[1]])
+    return xp.stack(
+        [
+            -r[1] - r[10] - r[14] - r[23] - r[24]
+            + r[2] + r[3] + r[9] + r[11] + r[12] + r[22] + r[25],
+            -r[2] - r[3] - r[9] - r[12] + r[1] + r[21],
+            -r[15] + r[1] + r[17] + r[19] + r[22],
+            -r[2] - r[16] - r[17] - r[23] + r[15],
+            -r[3] + 2 * r[4] + r[6] + r[7] + r[13] + r[20],
+            -r[6] - r[8] - r[14] - r[20] + r[3] + 2 * r[18],
+            -r[4] - r[5] - r[6] + r[13],
+            r[4] + r[5] + r[6] + r[7],
+            -r[7] - r[8],
+            -r[12] + r[7] + r[9],
+            -r[9] - r[10] + r[8] + r[11],
+            r[9],
+            -r[11] + r[10],
+            -r[13] + r[12],
+            r[14],
+            -r[18] - r[19] + r[16],
+            -r[20],
+            r[20],
+            -r[21] - r[22] - r[24] + r[23] + r[25],
+            -r[25] + r[24],
+        ]
+    )  # fmt: skip
+
+
+#: POLLU's solution at t = 60 as the test set gives it (RADAU5 in extended precision).
+POLLU_AT_60 = (
+    0.5646255480022769e-01, 0.1342484130422339e00, 0.4139734331099427e-08,
+    0.5523140207484359e-02, 0.2018977262302196e-06, 0.1464541863493966e-06,
+    0.7784249118997964e-01, 0.3245075353396018e00, 0.7494013383880406e-02,
+    0.1622293157301561e-07, 0.1135863833257075e-07, 0.2230505975721359e-02,
+    0.2087162882798630e-03, 0.1396921016840158e-04, 0.8964884856898295e-02,
+    0.4352846369330103e-17, 0.6899219696263405e-02, 0.1007803037365946e-03,
+    0.1772146513969984e-05, 0.5682943292316392e-04,
+)  # fmt: skip
+
+
 def bruss(n):
     """The Brusselator on a line of `n` points (Hairer's BRUSS, 2n states)."""
 
@@ -139,6 +194,41 @@ PROBLEMS = {
         w=list(np.linspace(0.5, 1.5, 32)),
         atol_factor=1.0,
     ),
+    "pollu": dict(
+        f=pollu,
+        y0=[0, 0.2, 0, 0.04, 0, 0, 0.1, 0.3, 0.01, 0, 0, 0, 0, 0, 0, 0, 0.007, 0, 0, 0.0],
+        p=[
+            0.35,
+            26.6,
+            1.23e4,
+            8.6e-4,
+            8.2e-4,
+            1.5e4,
+            1.3e-4,
+            2.4e4,
+            1.65e4,
+            9e3,
+            0.022,
+            1.2e4,
+            1.88,
+            1.63e4,
+            4.8e6,
+            3.5e-4,
+            0.0175,
+            1e8,
+            4.44e11,
+            1.24e3,
+            2.1,
+            5.78,
+            0.0474,
+            1.78e3,
+            3.12,
+        ],
+        ts=[0.0, 15.0, 30.0, 45.0, 60.0],
+        w=[1.0] * 20,
+        atol_factor=1e-4,  # species from 1e-1 down to 1e-8 (and 1e-17)
+        y0_floor=1e-2,
+    ),
 }
 
 
@@ -166,9 +256,9 @@ def reference(name):
     """The loss and its central-difference derivatives with respect to `p` and `y0`.
 
     Steps: `1e-5 |p_i|` for the parameters and `1e-6 max(|y0_i|, y0_floor)` for the
-    initial values. `y0_floor` is 1 (the state's scale) except for ROBER, whose second
-    species starts at zero and stays of order 1e-5: a step of 1e-6 would not be small
-    against it."""
+    initial values. `y0_floor` is 1 (the state's scale) except for ROBER and POLLU,
+    whose species start at zero and stay far below 1 (ROBER's second at 1e-5, POLLU's
+    down to 1e-8): a step of 1e-6 would not be small against them."""
     prob = PROBLEMS[name]
     p, y0 = np.asarray(prob["p"], float), np.asarray(prob["y0"], float)
 
