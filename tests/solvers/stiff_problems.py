@@ -76,6 +76,14 @@ _POLLU_REACTANTS = (
 )  # fmt: skip
 
 
+#: POLLU's rate constants k1..k25.
+_POLLU_RATES = (
+    0.35, 26.6, 1.23e4, 8.6e-4, 8.2e-4, 1.5e4, 1.3e-4, 2.4e4, 1.65e4, 9e3, 0.022, 1.2e4,
+    1.88, 1.63e4, 4.8e6, 3.5e-4, 0.0175, 1e8, 4.44e11, 1.24e3, 2.1, 5.78, 0.0474, 1.78e3,
+    3.12,
+)  # fmt: skip
+
+
 def pollu(y, t, p, xp):
     """POLLU: an air-pollution model (Verwer), 20 species and 25 reactions, `p` the
     25 rate constants (from 1.3e-4 to 4.4e11)."""
@@ -197,33 +205,7 @@ PROBLEMS = {
     "pollu": dict(
         f=pollu,
         y0=[0, 0.2, 0, 0.04, 0, 0, 0.1, 0.3, 0.01, 0, 0, 0, 0, 0, 0, 0, 0.007, 0, 0, 0.0],
-        p=[
-            0.35,
-            26.6,
-            1.23e4,
-            8.6e-4,
-            8.2e-4,
-            1.5e4,
-            1.3e-4,
-            2.4e4,
-            1.65e4,
-            9e3,
-            0.022,
-            1.2e4,
-            1.88,
-            1.63e4,
-            4.8e6,
-            3.5e-4,
-            0.0175,
-            1e8,
-            4.44e11,
-            1.24e3,
-            2.1,
-            5.78,
-            0.0474,
-            1.78e3,
-            3.12,
-        ],
+        p=list(_POLLU_RATES),
         ts=[0.0, 15.0, 30.0, 45.0, 60.0],
         w=[1.0] * 20,
         atol_factor=1e-4,  # species from 1e-1 down to 1e-8 (and 1e-17)
@@ -257,7 +239,7 @@ def reference(name):
 
     Steps: `1e-5 |p_i|` for the parameters and `1e-6 max(|y0_i|, y0_floor)` for the
     initial values. `y0_floor` is 1 (the state's scale) except for ROBER and POLLU,
-    whose species start at zero and stay far below 1 (ROBER's second at 1e-5, POLLU's
+    where species start at zero and stay far below 1 (ROBER's second at 1e-5, POLLU's
     down to 1e-8): a step of 1e-6 would not be small against them."""
     prob = PROBLEMS[name]
     p, y0 = np.asarray(prob["p"], float), np.asarray(prob["y0"], float)
