@@ -51,16 +51,16 @@ def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
         # written out).
         if a.shape[0] == 1:
             # One row (`weighted_stages`): scalars times rows of `b`, fused with what
-            # surrounds it; its derivative with respect to `b` is the same kind of sum
-            # (with respect to `a` it would be a reduction over `n` per coefficient,
-            # but the callers' coefficients, tableaux and bdf's order masks, are
-            # constants).
+            # surrounds it. Its derivative with respect to `b` is one scaled copy of
+            # the cotangent per row, each padded to the whole of `b` (with respect to
+            # `a` it would be a reduction over `n` per coefficient, but the callers'
+            # coefficients, tableaux and bdf's order masks, are constants).
             out = a[0, 0] * b[0]
             for j in range(1, a.shape[1]):
                 out = out + a[0, j] * b[j]
             return out[None]
-    # Many columns of `a`, or several rows against a large `b` (`bdf`'s rescaling of
-    # its differences): a matrix product of real size, whose derivatives are matrix
+    # Many columns of `a`, or several rows against a large `b` (`bdf`'s history,
+    # `bdf._History`): a matrix product of real size, whose derivatives are matrix
     # products too. Written out as sums of broadcast rows instead, the latter ran as
     # fast forward, but its derivative summed each column of the cotangent by a
     # threaded reduction (1000 copies of ROBER: gradient 12% slower).

@@ -50,7 +50,7 @@ def test_rescaled_differences_are_those_of_the_new_spacing(x64, q, factor):
 
 
 def test_small_system_step_has_no_matrix_product(x64):
-    """A step's rescaling of the differences is written as sums of products: no matrix
+    """A small system's step forms its history as sums of products: no matrix
     product in a small system's solve or gradient for XLA to hand to a threaded
     library (see `solvers.ode._small`)."""
     prob = PROBLEMS["rober"]
@@ -292,6 +292,47 @@ def test_difference_update_is_the_recurrence(x64, n):
             want[j] += want[j + 1]
         got = bdf._update_differences(jnp.asarray(D), jnp.asarray(d), jnp.asarray(q))
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14)
+
+
+def test_history_as_products_is_the_history_by_rows(x64, monkeypatch):
+    """A system of `HISTORY_PRODUCTS_MIN` states or more forms its prediction and
+    updated differences as products with the differences (`_History`), a smaller one
+    row by row: over twenty steps of a Brusselator line (32 states) whose size changes
+    (rescaled differences) and whose order rises to 3, both forms give the same
+    solution, differences and orders, and the same pull-back of all of it to the
+    start and the parameters, to rounding."""
+    prob = PROBLEMS["bruss16"]
+    f = lambda y, t, params: prob["f"](y, t, params[0], jnp)  # noqa: E731
+    p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
+    method = BDF()
+    sizes = [1e-3] * 4 + [1.5e-3] * 5 + [1.2e-3] * 6 + [2e-3] * 5
+
+    def run(y, p):
+        carry = method.initial_carry(y, f(y, 0.0, (p,)))
+        t, orders, good = 0.0, [], True
+        for h in sizes:
+            y, _, carry, ok = method.step(f, y, carry, t, h, (p,))
+            t, orders, good = t + h, [*orders, carry.memory.order], good & ok
+        return (y, carry.D), (good, jnp.stack(orders))
+
+    results = {}
+    for least in (y0.size, y0.size + 1):  # products, then rows
+        monkeypatch.setattr(bdf, "HISTORY_PRODUCTS_MIN", least)
+        zero = jnp.zeros((bdf.MAX_ORDER + 3, y0.size))
+        form = bdf._History.of(zero, jnp.asarray(1), jnp.asarray(1.0), jnp.zeros((2, 8)))
+        assert form.products == (least == y0.size)
+        # A new function each time: `jit` caches its trace by the function.
+        out, pullback, aux = jax.vjp(jax.jit(lambda y, p: run(y, p)), y0, p, has_aux=True)
+        cts = jax.tree_util.tree_map(
+            lambda x: jnp.cos(jnp.arange(x.size) + 0.3).reshape(x.shape), out
+        )
+        results[least] = out, pullback(cts), aux
+    (out_a, bar_a, (ok_a, q_a)), (out_b, bar_b, (ok_b, q_b)) = results.values()
+    assert bool(ok_a) and bool(ok_b)
+    np.testing.assert_array_equal(q_a, q_b)
+    assert int(q_a.max()) >= 3
+    for a, b in zip((*out_a, *bar_a), (*out_b, *bar_b)):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11 * float(jnp.max(jnp.abs(b))))
 
 
 def test_replay_with_a_known_end_reads_only_the_recorded_carry(x64):
