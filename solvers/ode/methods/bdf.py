@@ -175,7 +175,6 @@ class _History:
     around it: at 3000 states most of a backward step. A small system keeps the rows,
     which XLA fuses with the operations around them (see `HISTORY_PRODUCTS_MIN`)."""
 
-    D: jax.Array
     q: jax.Array
     weights: jax.Array
     rows: jax.Array  # for a small system: `R D`; for a large one, `[W R; A R] D`
@@ -191,13 +190,13 @@ class _History:
             rescale = jnp.where(factor == 1, eye, eye.at[:top, :top].set(ru.T))
             a, _ = _update_matrix(q, D.dtype)
             both = small_product(jnp.concatenate([weights, a]), rescale)
-            return cls(D, q, weights, small_product(both, D))
+            return cls(q, weights, small_product(both, D))
         low = jnp.where(factor == 1, D[:top], small_product(ru.T, D[:top]))
-        return cls(D, q, weights, D.at[:top].set(low))
+        return cls(q, weights, D.at[:top].set(low))
 
     @property
     def products(self) -> bool:
-        return self.rows.shape[0] > self.D.shape[0]
+        return self.rows.shape[0] > MAX_ORDER + 3
 
     def predict(self):
         """`(y_pred, alpha_q psi)`."""
@@ -210,7 +209,7 @@ class _History:
         """The differences after the step, whose corrector moved the prediction by
         `d`."""
         if self.products:
-            _, b = _update_matrix(self.q, self.D.dtype)
+            _, b = _update_matrix(self.q, self.rows.dtype)
             return self.rows[2:] + b[:, None] * d
         return _update_differences(self.rows, d, self.q)
 
