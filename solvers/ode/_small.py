@@ -7,9 +7,8 @@ a few microseconds, handing the work to its threads and waiting for them can cos
 than the product itself, by an amount that varies from one process to the next: a
 gradient of ROBER with BDF took 8.4 ms in most processes and 3.4 ms in others with two
 `6 x 6` products, and 2.7-2.9 ms in every process with them written as sums. So a
-small product is a sum of elementwise products (a loop fusion); a large one is written
-out row by row, or, with several rows, is a matrix product of real size (see
-`small_product`).
+small product is a sum of elementwise products (a loop fusion), and a large one a
+matrix product of real size (see `small_product`).
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ __all__ = ["SMALL", "UNROLLED_MIN", "small_product", "weighted_stages"]
 #: see `UNROLLED_MIN`); above, it is the matrix product.
 SMALL = 32
 #: From this many elements of the broadcast product `a[:, :, None] * b[None]` on,
-#: `small_product` stops reducing it: a single row is written out as a sum of scaled
-#: rows of `b`, several rows are a matrix product. Measured on CPU for a `6 x 6`
-#: product: the reduction took 0.8 us at `n = 96` and 3.3 us from `n = 114` (the
-#: first `n` past this bound) on, the matrix product 1.0 and 1.5 us.
+#: `small_product` stops reducing it and takes the matrix product. Measured on CPU for
+#: a `6 x 6` product: the reduction took 0.8 us at `n = 96` and 3.3 us from `n = 114`
+#: (the first `n` past this bound) on, the matrix product 1.0 and 1.5 us.
 UNROLLED_MIN = 4096
 
 
@@ -47,23 +45,19 @@ def small_product(a: jax.Array, b: jax.Array) -> jax.Array:
         # Larger, the broadcast product reduced over its middle axis is a reduction
         # XLA hands to its multithreaded library: measured on CPU at `n = 2048`, a
         # `6 x 6` product took 55 us that way. Below `UNROLLED_MIN` the reduction is
-        # the quicker (a `1 x 8` product at `n = 192`: 0.16 us against 0.34 us
-        # written out).
-        if a.shape[0] == 1:
-            # One row (`weighted_stages`): scalars times rows of `b`, fused with what
-            # surrounds it. Its derivative with respect to `b` is one scaled copy of
-            # the cotangent per row, each padded to the whole of `b` (with respect to
-            # `a` it would be a reduction over `n` per coefficient, but the callers'
-            # coefficients, tableaux and bdf's order masks, are constants).
-            out = a[0, 0] * b[0]
-            for j in range(1, a.shape[1]):
-                out = out + a[0, j] * b[j]
-            return out[None]
-    # Many columns of `a`, or several rows against a large `b` (`bdf`'s history,
-    # `bdf._History`): a matrix product of real size, whose derivatives are matrix
-    # products too. Written out as sums of broadcast rows instead, the latter ran as
-    # fast forward, but its derivative summed each column of the cotangent by a
-    # threaded reduction (1000 copies of ROBER: gradient 12% slower).
+        # the quicker (a `1 x 8` product at `n = 192`: 0.16 us against 0.34 us as a
+        # sum of scaled rows).
+    # Many columns of `a`, or a large `b`: a matrix product of real size, whose
+    # derivatives are matrix products too. The other forms measured worse on large
+    # systems:
+    # - one row (the stage sums, `weighted_stages`) as scalars times rows of `b`:
+    #   fused into each of its consumers, the sum was recomputed in every one, and its
+    #   derivative padded one copy of the cotangent per row to the whole of `b`
+    #   (rodas5p on 1000 copies of ROBER: forward 45 against 34 ms, gradient 321
+    #   against 246 ms);
+    # - several rows (`bdf._History`) as sums of broadcast rows: as fast forward, but
+    #   the derivative summed each column of the cotangent by a threaded reduction
+    #   (1000 copies of ROBER: gradient 12% slower).
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 

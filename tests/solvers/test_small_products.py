@@ -20,11 +20,11 @@ def test_matches_numpy_either_way(x64, rows, cols, n):
     out = small_product(jnp.asarray(a), jnp.asarray(b))
     np.testing.assert_allclose(out, a @ b, rtol=1e-13, atol=1e-13)
     hlo = jax.jit(small_product).lower(jnp.asarray(a), jnp.asarray(b)).as_text()
-    # Small products are reduced; large ones are a sum of scaled rows (one row) or a
-    # matrix product (several), never a reduction for XLA to hand to its threads.
+    # Small products are reduced; large ones, one row or several, are a matrix
+    # product, never a reduction for XLA to hand to its threads.
     small = a.size * n < UNROLLED_MIN
     assert ("reduce" in hlo) == small
-    assert ("dot_general" in hlo) == (not small and rows > 1)
+    assert ("dot_general" in hlo) == (not small)
 
 
 def test_weighted_stages_matches_numpy(x64):
@@ -37,7 +37,7 @@ def test_weighted_stages_matches_numpy(x64):
 @pytest.mark.parametrize("rows", [1, 6])
 @pytest.mark.parametrize("n", [16, 2048])
 def test_derivatives_and_complex_values(x64, rows, n):
-    """Both sides of `UNROLLED_MIN`, both large forms: `jvp` and `vjp` with respect to
+    """Both sides of `UNROLLED_MIN`, one row and several: `jvp` and `vjp` with respect to
     both factors equal NumPy's products, and complex factors multiply as complex."""
     rng = np.random.default_rng(rows + n)
     a, b = rng.standard_normal((rows, 6)), rng.standard_normal((6, n))
