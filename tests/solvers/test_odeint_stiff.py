@@ -676,16 +676,20 @@ def _forced_linear_system(n=10):
 
 
 @pytest.mark.parametrize(
-    ("method", "rolled"),
+    ("method", "rolled", "products"),
     [
-        ("rodas5p", True),
-        pytest.param("rodas5p", False, marks=pytest.mark.slow),
-        pytest.param("rodas4", True, marks=pytest.mark.slow),
-        ("kvaerno5", True),
-        pytest.param("kvaerno5", False, marks=pytest.mark.slow),
+        ("rodas5p", True, False),
+        ("rodas5p", True, True),
+        pytest.param("rodas5p", False, False, marks=pytest.mark.slow),
+        pytest.param("rodas4", True, False, marks=pytest.mark.slow),
+        ("kvaerno5", True, False),
+        pytest.param("kvaerno5", True, True, marks=pytest.mark.slow),
+        pytest.param("kvaerno5", False, False, marks=pytest.mark.slow),
     ],
 )
-def test_implicit_stages_as_a_loop_under_every_transformation(x64, monkeypatch, method, rolled):
+def test_implicit_stages_as_a_loop_under_every_transformation(
+    x64, monkeypatch, method, rolled, products
+):
     """A Rosenbrock step can run its stages as one loop, and so can an ESDIRK step
     whose implicit stages share one diagonal value (each iteration a Newton solve
     through `custom_root`): `stage_loop`, by default from `ROLL_MIN_STATES` states on.
@@ -693,10 +697,18 @@ def test_implicit_stages_as_a_loop_under_every_transformation(x64, monkeypatch, 
     a forced stiff linear system of 10 states (the field's time derivative enters the
     Rosenbrock stages whose `d` is nonzero), against the closed form: values, `grad`
     (the checkpointed adjoint, its steps linearised eight at a time as for a large
-    system), `jacfwd`, `hessian` and `vmap` of `grad`."""
+    system), `jacfwd`, `hessian` and `vmap` of `grad`. With `products`, the loop's
+    stage sums take the matrix product that a large system's take (`PRODUCT_MIN`)."""
+    from solvers.ode import _small
     from solvers.ode.methods import resolve_method
 
     monkeypatch.setattr(sweep, "LINEARIZE_MIN_STATES", 1)
+    products_taken = []
+    if products:
+        monkeypatch.setattr(_small, "PRODUCT_MIN", 1)
+        matmul = jnp.matmul
+        spy = lambda *a, **k: products_taken.append(a[0].shape) or matmul(*a, **k)  # noqa: E731
+        monkeypatch.setattr(_small.jnp, "matmul", spy)
     method = dataclasses.replace(resolve_method("odeint", method), stage_loop=rolled)
     f, exact, y0 = _forced_linear_system()
     ts = jnp.linspace(0.0, 2.0, 5)
@@ -712,6 +724,8 @@ def test_implicit_stages_as_a_loop_under_every_transformation(x64, monkeypatch, 
     p = 1.3
     ys = jax.jit(lambda p, y0: odeint(f, y0, ts, p, method=method, rtol=1e-10, atol=1e-10))(p, y0)
     np.testing.assert_allclose(ys, exact(y0, ts, p), rtol=1e-9, atol=1e-10)
+    # The stage loop's one-row sums took the product (traced, not served from a cache).
+    assert ((1, method.stages) in products_taken) == products
     want = jax.grad(loss_exact, argnums=(0, 1))(p, y0)
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, y0)
     assert _rel(got[0], want[0]) < 1e-8, (got[0], want[0])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from solvers.ode._small import UNROLLED_MIN, small_product, weighted_stages
+from solvers.ode._small import PRODUCT_MIN, small_product, weighted_stages
 
 
 @pytest.mark.parametrize("rows, cols", [(6, 6), (1, 8), (3, 3), (2, 1)])
@@ -22,7 +22,7 @@ def test_matches_numpy_either_way(x64, rows, cols, n):
     hlo = jax.jit(small_product).lower(jnp.asarray(a), jnp.asarray(b)).as_text()
     # Small products are reduced; large ones, one row or several, are a matrix
     # product, never a reduction for XLA to hand to its threads.
-    small = a.size * n < UNROLLED_MIN
+    small = a.size * n < PRODUCT_MIN
     assert ("reduce" in hlo) == small
     assert ("dot_general" in hlo) == (not small)
 
@@ -37,7 +37,7 @@ def test_weighted_stages_matches_numpy(x64):
 @pytest.mark.parametrize("rows", [1, 6])
 @pytest.mark.parametrize("n", [16, 2048])
 def test_derivatives_and_complex_values(x64, rows, n):
-    """Both sides of `UNROLLED_MIN`, one row and several: `jvp` and `vjp` with respect to
+    """Both sides of `PRODUCT_MIN`, one row and several: `jvp` and `vjp` with respect to
     both factors equal NumPy's products, and complex factors multiply as complex."""
     rng = np.random.default_rng(rows + n)
     a, b = rng.standard_normal((rows, 6)), rng.standard_normal((6, n))
