@@ -332,6 +332,16 @@ def carries_tangent(x: Any) -> bool:
     return callable(contents) and any(carries_tangent(v) for _, v in contents())
 
 
+def is_vmapped(x: Any) -> bool:
+    """Whether `x` is a tracer of `vmap` mapped over one of its axes (of any size, one
+    included)."""
+    while isinstance(x, _batching.BatchTracer):
+        if x.batch_dim is not None:
+            return True
+        x = x.val
+    return False
+
+
 def vmap_size(x: Any) -> int:
     """The product of the sizes of the `vmap` axes `x` is batched over (1 when `x` is
     not a tracer of `vmap`): inside `vmap` a function sees one element of the batch."""

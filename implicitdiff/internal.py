@@ -13,6 +13,9 @@ Tracing and transformations:
   them as inputs (`converted(consts, *args)` is `fun(*args)`).
 - `instantiate_zeros(t)`: a symbolic `Zero` (co)tangent as an array of zeros.
 - `vmap_size(x)`: the product of the `vmap` batch sizes `x` is traced under (1 outside).
+- `in_batch()`, `per_element(fn, flag)`, `per_element_if_batched(fn, args)`,
+  `any_vmapped(args)`: whether the code being traced runs for each element of a
+  `vmap` batch (to pick an algorithm, such as a band's LU), and `fn` traced so.
 - `in_checked_shard_map()`: whether tracing happens inside
   `jax.shard_map(..., check_vma=True)`.
 
@@ -50,6 +53,7 @@ Example:
 from ._checks import Mismatch, find_mismatch
 from ._errors import any_over_batch, check_lazily, max_over_batch, reduce_any
 from ._jax_compat import closure_convert, in_checked_shard_map, instantiate_zeros, vmap_size
+from ._per_element import any_vmapped, in_batch, per_element, per_element_if_batched
 from ._trees import (
     all_finite,
     describe,
@@ -66,6 +70,10 @@ __all__ = [
     "closure_convert",
     "instantiate_zeros",
     "vmap_size",
+    "in_batch",
+    "any_vmapped",
+    "per_element",
+    "per_element_if_batched",
     "in_checked_shard_map",
     "any_over_batch",
     "max_over_batch",

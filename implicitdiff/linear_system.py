@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from . import _jax_compat as compat
 from ._checks import check_returns_like
+from ._per_element import per_element_if_batched
 from ._primitive import Primitive
 from ._rule_data import is_accum
 from ._trees import instantiate_cotangent, leaves_with_zeros
@@ -111,12 +112,17 @@ def custom_linear_solve(
         (out,) = jax.linear_transpose(matvec, b)(y)
         return out
 
-    sv, sv_consts, _ = compat.closure_convert(lambda r: solve(matvec, r), b)
+    # A matrix that differs across a `vmap` batch is factored for each element (the
+    # solves are traced now, and batched later as they are).
+    def traced(fn):
+        return per_element_if_batched(fn, mv_consts)
+
+    sv, sv_consts, _ = compat.closure_convert(traced(lambda r: solve(matvec, r)), b)
     _check_like_b("`solve`", sv, sv_consts, b, has_aux)
     if symmetric:
         ts, ts_consts = None, []
     elif transpose_solve is not None:
-        ts, ts_consts, _ = compat.closure_convert(lambda r: transpose_solve(vecmat, r), b)
+        ts, ts_consts, _ = compat.closure_convert(traced(lambda r: transpose_solve(vecmat, r)), b)
         _check_like_b("`transpose_solve`", ts, ts_consts, b, has_aux)
     else:
         ts, ts_consts = None, []

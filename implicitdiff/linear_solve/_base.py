@@ -76,8 +76,14 @@ class LinearSolver(abc.ABC):
         slower per matrix in a batch, its small LUs, row gathers and triangular solves
         being done matrix by matrix with the batch's overheads on top. Code that may
         prepare several systems together (the checkpointed adjoint of `odeint`
-        linearises eight steps at once) asks this first."""
+        linearises eight steps at once) asks `factors_in_batches_at` first."""
         return True
+
+    def factors_in_batches_at(self, n: int) -> bool:
+        """`factors_in_batches` for systems of `n` unknowns: a solver may factor one
+        large matrix by an algorithm of its own, which a batch would run at a higher
+        cost per matrix (one long narrow band: by partitions, see `Banded`)."""
+        return self.factors_in_batches
 
     @property
     def solves_complex(self) -> bool:

@@ -421,6 +421,11 @@ class Sparse(BandLU):
     def _widths(self) -> tuple[int, int]:
         return self.pattern.lower, self.pattern.upper
 
+    def factors_in_batches_at(self, n: int) -> bool:
+        if self.pattern.blocks is not None:  # dense LU of the blocks, never a band's
+            return True
+        return super().factors_in_batches_at(n)
+
     def _reorder(self) -> tuple[np.ndarray, np.ndarray] | None:
         if self.pattern.blocks is not None:  # the blocks index the unknowns themselves
             return None

@@ -25,6 +25,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from implicitdiff.internal import in_batch
+
 from . import progress
 from .blocks import BlockRows, block_size, flatten, is_rows
 from .info import MAX_STEPS, SUCCESS, ODEInfo
@@ -139,7 +141,10 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
         buffers = dataclasses.replace(
             write_end(rec, state), y_last=rec.y_last[:every], k_last=k_last
         )
-        record = Record(buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc)
+        record = Record(
+            buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc,
+            per_element=in_batch(),
+        )  # fmt: skip
     if cfg.progress:
         progress.report_done(state)
     return Integration(ys=ys, info=info, t_nodes=t_nodes, final=state, record=record)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from implicitdiff import Primitive, Zero, error_if
-from implicitdiff.internal import instantiate_zeros
+from implicitdiff.internal import any_vmapped, instantiate_zeros, per_element
 
 from .fields import TangentField
 from .info import SUCCESS, ODEInfo
@@ -84,7 +84,11 @@ class ODESolve(Primitive):
         loop = dataclasses.replace(self.cfg.loop, record=record, checkpoints=checkpoints)
         step = stepper(self.f, loop.method)
         carry0 = carrier(self.f, loop.method)
-        out = integrate(self.field(), y0, ts, (pd, pn), loop, step=step, carry0=carry0)
+        # A batched solve runs for each element (`in_batch`), one solve not (whatever
+        # encloses it); its record says which (`Record.per_element`), and the adjoint
+        # replays its steps the same way.
+        run = per_element(integrate, any_vmapped((y0, ts, pd, pn)))
+        out = run(self.field(), y0, ts, (pd, pn), loop, step=step, carry0=carry0)
         ys, rec = out.ys, out.record
         if self.cfg.throw:
             # Checked on the record too: under `grad` only the record may be used (the

@@ -91,9 +91,14 @@ class Record(eqx.Module):
             (it lies in step `out_step - 1`).
         out_theta: where in that step, as a fraction of it (1 at its end).
         steps: the accepted steps.
+        per_element: whether the solve ran for each element of a batch
+            (`implicitdiff.internal.in_batch`), so its factorisations (carried in
+            `k_cp`, `k_last`) have the layout of a batch; the sweep replays the steps
+            so.
     """
 
     buffers: RecordBuffers
     out_step: Int[Array, ...]
     out_theta: Float[Array, ...]
     steps: Int[Array, ...]
+    per_element: bool = eqx.field(static=True, default=False)

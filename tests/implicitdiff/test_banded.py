@@ -40,6 +40,20 @@ def band_mask(n, lower, upper):
     return ((j - i) >= -lower) & ((j - i) <= upper)
 
 
+def assert_closed_forms(solver, kind, a, b, c, e):
+    """Every quantity of `test_linear_solvers._quantities` (solves, transposed solves,
+    derivatives) of `solver` on the matrix `a` against NumPy's closed forms."""
+    problem = LinearProblem(kind, a, b, False)
+    got = jax.jit(functools.partial(_quantities, solver, problem))(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), jnp.asarray(e)
+    )
+    for name, value in _expected(a, b, c, e).items():
+        np.testing.assert_allclose(
+            np.asarray(got[name]).reshape(np.shape(value)), value, rtol=1e-9, atol=1e-11,
+            err_msg=name,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "n, lower, upper", [(9, 2, 1), (8, 0, 2), (8, 3, 0), (7, 1, 1), (4, 5, 6), (1, 0, 0)]
 )
@@ -50,19 +64,7 @@ def test_against_closed_forms(x64, n, lower, upper):
     b = rng.normal(size=n)
     c = rng.normal(size=n)
     e = rng.normal(size=(n, n)) * band_mask(n, lower, upper)  # stays in the band
-    problem = LinearProblem("band", a, b, False)
-    solver = linear_solve.Banded(lower=lower, upper=upper)
-    got = jax.jit(functools.partial(_quantities, solver, problem))(
-        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), jnp.asarray(e)
-    )
-    for name, value in _expected(a, b, c, e).items():
-        np.testing.assert_allclose(
-            np.asarray(got[name]).reshape(np.shape(value)),
-            value,
-            rtol=1e-9,
-            atol=1e-11,
-            err_msg=name,
-        )
+    assert_closed_forms(linear_solve.Banded(lower=lower, upper=upper), "band", a, b, c, e)
 
 
 def assert_batched_pytree_solves(solver, a):
@@ -242,3 +244,120 @@ def test_wide_band_on_no_unknowns(x64):
     solver = linear_solve.Banded(16, 16)
     state = solver.init(lambda v: v, jnp.zeros(0))
     assert solver.solve(state, jnp.zeros(0)).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "n, lower, upper, parts",
+    [
+        (64, 2, 2, 4),
+        (67, 2, 2, 4),  # n not a multiple of the partitions
+        (100, 1, 1, 5),
+        (90, 0, 3, 3),
+        (90, 3, 0, 3),
+        (50, 1, 0, 3),
+        (50, 0, 1, 3),
+        (200, 3, 3, 8),
+        (1030, 2, 2, 32),
+    ],
+)
+def test_partitioned_factorisation_of_long_bands(x64, n, lower, upper, parts):
+    """Long narrow bands are factored by partitions of their rows
+    (`band_lu_partitioned`): the solves with the matrix and its transpose agree with
+    NumPy's, and with the row-by-row factors', on matrices whose pivots swap rows
+    (also across the partitions' boundaries), in real and complex arithmetic."""
+    from implicitdiff.linear_solve._band_partitions import (
+        band_lu_partitioned,
+        partitioned_solve,
+    )
+    from implicitdiff.linear_solve._banded import band_lu_rows, band_lu_solve, band_matrix
+
+    a = band(n, lower, upper, seed=n + lower)
+    if min(lower, upper) == 0:  # triangular: kept well conditioned by its diagonal
+        a += 4 * np.eye(n)
+    assert np.linalg.cond(a) < 1e6
+    b = np.cos(1.3 * np.arange(n))
+    for dtype, m in ((np.float64, a), (np.complex128, a + 0.5j * band(n, lower, upper, 7))):
+        ab = band_matrix(lambda v, m=m: jnp.asarray(m) @ v, n, lower, upper, dtype)
+        factors = band_lu_partitioned(ab, lower, upper, parts)
+        assert factors.rows.shape == (
+            -(-n // parts) - lower - upper,
+            2 * (lower + upper) + 1,
+            parts,
+        )
+        rows = band_lu_rows(ab, lower, upper)
+        for trans, mt in ((0, m), (1, m.T)):
+            x = np.asarray(partitioned_solve(factors, jnp.asarray(b, dtype), lower, trans))
+            np.testing.assert_allclose(x, np.linalg.solve(mt, b), rtol=1e-10, atol=1e-12)
+            by_rows = band_lu_solve(rows, jnp.asarray(b, dtype), lower, trans)
+            np.testing.assert_allclose(x, by_rows, rtol=1e-10, atol=1e-12)
+
+
+def test_partitioned_factorisation_without_a_diagonal(x64):
+    """A tridiagonal matrix with a zero diagonal (non-singular for an even size):
+    every pivot swaps rows, and a scheme that factored each partition's diagonal
+    block on its own would meet singular blocks; partial pivoting over each
+    partition's rows does not."""
+    from implicitdiff.linear_solve._band_partitions import (
+        band_lu_partitioned,
+        partitioned_solve,
+    )
+    from implicitdiff.linear_solve._banded import band_matrix
+
+    n = 256
+    rng = np.random.default_rng(4)
+    a = np.diag(rng.uniform(1, 2, n - 1), 1) + np.diag(rng.uniform(1, 2, n - 1), -1)
+    assert abs(np.linalg.slogdet(a)[0]) == 1 and np.linalg.cond(a) < 1e6
+    ab = band_matrix(lambda v: jnp.asarray(a) @ v, n, 1, 1, jnp.float64)
+    factors = band_lu_partitioned(ab, 1, 1, 8)
+    b = np.cos(np.arange(n))
+    for trans, m in ((0, a), (1, a.T)):
+        x = partitioned_solve(factors, jnp.asarray(b), 1, trans)
+        np.testing.assert_allclose(x, np.linalg.solve(m, b), rtol=1e-10, atol=1e-12)
+
+
+def test_partitions_follow_the_band():
+    """`band_lu` partitions a band of at most `PARTITIONED_MAX_COUPLING` coupled
+    diagonals once each of 32 partitions (64 from 8192 rows) holds `4 (lower + upper)`
+    rows; partitions too short for the band are refused."""
+    from implicitdiff.linear_solve._band_partitions import (
+        PARTITIONED_MAX_COUPLING,
+        band_lu_partitioned,
+        partitions,
+    )
+
+    assert partitions(2048, 2, 2) == 32 and partitions(8192, 1, 1) == 64
+    assert partitions(511, 2, 2) == 1 and partitions(512, 2, 2) == 32
+    assert partitions(1 << 16, 0, 0) == 1
+    assert partitions(1 << 16, PARTITIONED_MAX_COUPLING, 1) == 1
+    with pytest.raises(ValueError, match="more than lower"):
+        band_lu_partitioned(jnp.ones((20, 5)), 2, 2, 4)
+
+
+def test_long_band_solves_and_derivatives(x64, monkeypatch):
+    """`Banded` on a long narrow band (factored by partitions): the solves, the
+    transposed solves and every derivative against NumPy's closed forms; under `vmap`
+    over the matrix, factored row by row."""
+    from implicitdiff.linear_solve import _band_partitions
+
+    calls = []
+    factor = _band_partitions.band_lu_partitioned
+    monkeypatch.setattr(
+        _band_partitions, "band_lu_partitioned", lambda *a: calls.append(1) or factor(*a)
+    )
+    n, lower, upper = 700, 2, 2
+    a = band(n, lower, upper, seed=3)
+    assert np.linalg.cond(a) < 1e4
+    rng = np.random.default_rng(2)
+    b, c = rng.normal(size=n), rng.normal(size=n)
+    e = rng.normal(size=(n, n)) * band_mask(n, lower, upper)
+    solver = linear_solve.Banded(lower=lower, upper=upper)
+    state = solver.init(lambda v: jnp.asarray(a) @ v, jnp.asarray(b))
+    assert state.reduced  # factored by partitions
+    assert_closed_forms(solver, "band", a, b, c, e)
+    assert calls
+    calls.clear()
+    stack = np.stack([a, band(n, lower, upper, seed=4)])
+    x = jax.vmap(lambda m: solver(lambda v: m @ v, jnp.asarray(b)))(jnp.asarray(stack))
+    assert not calls
+    for k in range(2):
+        np.testing.assert_allclose(x[k], np.linalg.solve(stack[k], b), rtol=1e-10, atol=1e-12)

@@ -10,8 +10,6 @@ colouring is valid, the reordering finds the band of a shuffled band matrix.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +17,7 @@ import pytest
 
 from implicitdiff import linear_solve
 
-from .linear_problems import LinearProblem
-from .test_banded import assert_batched_pytree_solves
-from .test_linear_solvers import _expected, _quantities
+from .test_banded import assert_batched_pytree_solves, assert_closed_forms
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -44,16 +40,7 @@ def test_against_closed_forms(x64, n, lower, upper):
     rng = np.random.default_rng(1)
     b, c = rng.normal(size=n), rng.normal(size=n)
     e = rng.normal(size=(n, n)) * (a != 0)  # stays in the pattern
-    problem = LinearProblem("sparse", a, b, False)
-    solver = linear_solve.Sparse(a != 0)
-    got = jax.jit(functools.partial(_quantities, solver, problem))(
-        jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), jnp.asarray(e)
-    )
-    for name, value in _expected(a, b, c, e).items():
-        np.testing.assert_allclose(
-            np.asarray(got[name]).reshape(np.shape(value)), value, rtol=1e-9, atol=1e-11,
-            err_msg=name,
-        )  # fmt: skip
+    assert_closed_forms(linear_solve.Sparse(a != 0), "sparse", a, b, c, e)
 
 
 def test_reordering_recovers_the_band():

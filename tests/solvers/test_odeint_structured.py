@@ -393,7 +393,8 @@ def test_default_stage_solver_pattern_holds_at_every_time(x64):
 def test_chunk_size_follows_the_stage_solver(monkeypatch):
     """The adjoint sweep linearises `LINEARIZE_CHUNK` steps at once for one solve of
     at least `LINEARIZE_MIN_STATES` states, unless (on CPU) the solver its step's
-    derivative prepares factors a batch badly (`factors_in_batches`: a wide band)."""
+    derivative prepares factors a batch badly (`factors_in_batches_at`: a wide band,
+    or a long narrow one, factored by partitions)."""
     from solvers.ode.adjoints import sweep
     from solvers.ode.methods import resolve_method
 
@@ -409,6 +410,14 @@ def test_chunk_size_follows_the_stage_solver(monkeypatch):
     assert sweep.chunk_size(with_solver("bdf", narrow), 1, many - 1, 64) == 1
     assert sweep.chunk_size(with_solver("bdf", narrow), 2, many, 64) == 1  # a vmap batch
     assert sweep.chunk_size(resolve_method("odeint", "tsit5"), 1, many, 64) == 8
+    # From 512 unknowns a (2, 2) band is factored by partitions.
+    assert sweep.chunk_size(with_solver("bdf", narrow), 1, 511, 64) == 8
+    assert sweep.chunk_size(with_solver("bdf", narrow), 1, 512, 64) == 1
+    line = np.arange(600)
+    pairs = linear_solve.Sparse((np.r_[line, line[1:]], np.r_[line, line[:-1]]))
+    assert sweep.chunk_size(with_solver("rodas5p", pairs), 1, 600, 64) == 1
+    blocks = linear_solve.Sparse((line, line ^ 1))  # 300 pairs: dense LU of each
+    assert sweep.chunk_size(with_solver("rodas5p", blocks), 1, 600, 64) == 8
     for name in ("bdf", "rodas5p", "kvaerno5", "radau5"):
         assert sweep.chunk_size(with_solver(name, wide), 1, many, 64) == 1, name
     # radau5's derivative solves its three stages coupled, in a band three times as wide.
@@ -473,3 +482,70 @@ def test_wide_band_gradient_linearised_step_by_step(x64, monkeypatch, method):
     # to twenty times the solve's tolerance (errors at T and of the gradient: bdf
     # 2.7e-10 and 6.4e-10, kvaerno5 2.8e-10 and 4.0e-10).
     np.testing.assert_allclose(g, exact, rtol=0, atol=2e-9)
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["bdf", pytest.param("rodas5p", marks=pytest.mark.slow),
+     pytest.param("radau5", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_partitioned_band_on_a_long_line(x64, monkeypatch, method):
+    """A long line of points with two fields each (600 states, bandwidths 2): the band
+    is factored by partitions of its rows. `y(T) = expm(T A(p)) y0` and the gradient
+    and forward derivative of `w . y(T)` match SciPy's `expm` and `expm_frechet`; the
+    solve takes the steps of the row-by-row factorisation; a batch of solves (of one
+    too) factors row by row, in the solve and its adjoint."""
+    import scipy.linalg
+
+    from implicitdiff.linear_solve import _band_partitions
+
+    points = 300
+    lap = (np.eye(points, k=1) + np.eye(points, k=-1) - 2 * np.eye(points)) * 0.02 * points**2
+    L = np.kron(lap, np.eye(2))
+    R = np.kron(np.eye(points), np.array([[-1.0, 0.5], [0.5, -2.0]]))
+    n = 2 * points
+    y0 = np.cos(np.arange(n) * 0.7) + 1.5
+    w = np.sin(np.arange(n) * 0.3)
+    t1, p = 0.5, 0.7
+    band = linear_solve.Banded(2, 2, throw=False)
+    assert _band_partitions.partitions(n, 2, 2) > 1
+
+    def run(p):
+        f = lambda y, t, p: p * (jnp.asarray(L) @ y) + jnp.asarray(R) @ y  # noqa: E731
+        return odeint(f, jnp.asarray(y0), jnp.array([0.0, t1]), p, method=method, rtol=1e-10,
+                      atol=1e-10, linear_solver=band, return_info=True)  # fmt: skip
+
+    traced = []
+    factor = _band_partitions.band_lu_partitioned
+    monkeypatch.setattr(
+        _band_partitions, "band_lu_partitioned", lambda *a: traced.append(a[1:]) or factor(*a)
+    )
+    ys, info = jax.jit(run)(p)
+    assert traced  # the stage solves went through the partitions
+    loss = lambda p: jnp.dot(jnp.asarray(w), run(p)[0][-1])  # noqa: E731
+    g, gf = jax.jit(jax.grad(loss))(p), jax.jit(jax.jacfwd(loss))(p)
+    A = p * L + R
+    np.testing.assert_allclose(ys[-1], scipy.linalg.expm(t1 * A) @ y0, rtol=0, atol=1e-8)
+    exact = w @ scipy.linalg.expm_frechet(t1 * A, t1 * L, compute_expm=False) @ y0
+    np.testing.assert_allclose(g, exact, rtol=1e-7, atol=1e-8)
+    np.testing.assert_allclose(gf, g, rtol=1e-8)
+    # A batch of solves factors each element's band row by row, in the solve and its
+    # adjoint alike (what the forward records, the adjoint replays).
+    traced.clear()
+    gs = jax.jit(jax.vmap(jax.grad(loss)))(jnp.array([p, 0.8]))
+    assert not traced
+    np.testing.assert_allclose(gs[0], g, rtol=1e-10)
+    # A batch of one too, through the adjoint's batched sweep (`grad` of `vmap`).
+    g1 = jax.jit(jax.grad(lambda ps: jnp.sum(jax.vmap(loss)(ps))))(jnp.array([p]))
+    assert not traced
+    np.testing.assert_allclose(g1[0], g, rtol=1e-10)
+    A = 0.8 * L + R
+    exact = w @ scipy.linalg.expm_frechet(t1 * A, t1 * L, compute_expm=False) @ y0
+    np.testing.assert_allclose(gs[1], exact, rtol=1e-7, atol=1e-8)
+
+    monkeypatch.setattr(_band_partitions, "PARTITIONED_MAX_COUPLING", 0)
+    traced.clear()
+    by_rows, info_rows = jax.jit(lambda p: run(p))(p)
+    assert not traced
+    assert int(info_rows.steps) == int(info.steps)
+    np.testing.assert_allclose(by_rows, ys, rtol=1e-12, atol=1e-12)

@@ -41,7 +41,8 @@ class CheckpointAdjoint(AbstractAdjoint):
     entries or more, the steps of a segment are linearised eight at a time in one
     batch, so their Jacobians and factorisations run batched (on CPU, not when the
     stage solver factors a batch no faster than one matrix after another: a wide
-    band's blocked LU, see `LinearSolver.factors_in_batches`); and a method whose stage
+    band's blocked LU or a long narrow band's partitions, see
+    `LinearSolver.factors_in_batches_at`); and a method whose stage
     equation is solved by the step's end (BDF's corrector) takes that end from the
     record instead of iterating again. Outputs inside a step (`interpolate=True`) are
     linear in the step's stages, so their cotangents join that pull-back. Memory is
@@ -96,8 +97,9 @@ class CheckpointAdjoint(AbstractAdjoint):
     def backward(self, solve, kept, ys, ts, pd, pn, g_ys):
         states, steps = _record_parts(kept)
         a0, ct_pd = CheckpointSweep.apply(
-            states, g_ys, pd, pn, steps, **self._sweep_params(solve, states)
-        )
+            states, g_ys, pd, pn, steps, per_element=kept.per_element,
+            **self._sweep_params(solve, states),
+        )  # fmt: skip
         return _finite(a0, ct_pd, g_ys, solve.cfg.throw)
 
     def backward_batched(self, solve, axis_size, in_dims, res, res_dims, g, g_dims):
@@ -115,8 +117,9 @@ class CheckpointAdjoint(AbstractAdjoint):
         g_ys, ts = jax.vmap(dense_cotangents)(tn, ts, first(g[0], g_dims[0]))
         states, steps = _record_parts(rec)
         a0, ct_pd = batched_sweep(
-            states, g_ys, (pd, pd_axes), (pn, pn_axes), steps, **self._sweep_params(solve, states)
-        )
+            states, g_ys, (pd, pd_axes), (pn, pn_axes), steps, per_element=rec.per_element,
+            **self._sweep_params(solve, states),
+        )  # fmt: skip
         a0, ct_pd = _finite(a0, ct_pd, g_ys, solve.cfg.throw)
         y0_dims, ts_dims = in_dims[0], in_dims[1]
         ct_ts = None

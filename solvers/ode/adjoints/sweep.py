@@ -21,8 +21,9 @@ one at a time, last first. The batch runs the chunk's factorisations and field
 evaluations together (a narrow band's LU of 512 unknowns costs about a seventh as much
 per matrix in a batch of 64 as alone); the price is a chunk's linearisations held at
 once and a last chunk that may run past its segment's steps. With a stage solver whose
-factorisation is no faster in a batch on CPU (`LinearSolver.factors_in_batches`: a
-wide band's blocked LU), the steps are linearised one at a time there (`chunk_size`).
+factorisation is no faster in a batch on CPU (`LinearSolver.factors_in_batches_at`: a
+wide band's blocked LU, a long narrow band's partitions), the steps are linearised one
+at a time there (`chunk_size`).
 The replay knows each step's end (the next step's start, the next checkpoint, or for
 the last step the solve's end, `loop.write_end`) and hands it to the method
 (`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
@@ -54,7 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from implicitdiff import Primitive
-from implicitdiff.internal import any_over_batch, max_over_batch
+from implicitdiff.internal import any_over_batch, max_over_batch, per_element
 
 from ..blocks import BlockRows, is_rows
 from ..interpolation import (
@@ -123,19 +124,24 @@ class CheckpointSweep(_Sweep):
     states, f at them)` and `record = (t, h, out_step, out_theta, steps)` (see
     `solvers.ode.state.Record`).
     Params: `f` (the flat field `f(y, t, pd, pn)`), `loop` (the forward solve's
-    `LoopConfig`), `every` (steps between checkpoints).
+    `LoopConfig`), `every` (steps between checkpoints), `per_element` (the record's
+    `Record.per_element`: the steps replay with `in_batch()` as the solve ran them, so
+    a band's factors carried from step to step keep the layout they were recorded in;
+    the expansion may run after the rule that bound it returned, so this is a param).
     """
 
-    def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every):
+    def __init__(
+        self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every, per_element
+    ):
         self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
         self.out_aval = (jax.ShapeDtypeStruct(g_aval.shape[1:], g_aval.dtype), pd_aval)
-        self.params = dict(f=f, loop=loop, every=every)
+        self.params = dict(f=f, loop=loop, every=every, per_element=per_element)
         super().__init__()
 
     def expand(self, y_cp, g, pd, pn, rec):
         one = lambda x: x[None]  # noqa: E731
         unbatched = (_axes_like(pd, None), _axes_like(pn, None))
-        a, pd_bar = _sweep(
+        a, pd_bar = per_element(_sweep, self.per_element)(
             self.f, self.loop, self.every, jax.tree_util.tree_map(one, y_cp), g[None], pd,
             pn, jax.tree_util.tree_map(one, rec), unbatched,
         )  # fmt: skip
@@ -158,7 +164,7 @@ class CheckpointSweep(_Sweep):
         numbers = sum(x.size for x in jax.tree_util.tree_leaves(y_cp))
         group = max(1, KEEP_ALL_MAX // max(numbers, 1))
         if kept_all and not jax.tree_util.tree_leaves((d_cp, d_rec)) and size > group:
-            params = dict(f=self.f, loop=self.loop, every=self.every)
+            params = dict(f=self.f, loop=self.loop, every=self.every, per_element=self.per_element)
 
             def one(xs):
                 g, pd, pn = xs
@@ -175,20 +181,22 @@ class CheckpointSweep(_Sweep):
             f=self.f,
             loop=self.loop,
             every=self.every,
+            per_element=self.per_element,
         )
         return out, 0
 
 
-def batched_sweep(y_cp, g, pd, pn, rec, *, f, loop, every):
+def batched_sweep(y_cp, g, pd, pn, rec, *, f, loop, every, per_element):
     """The sweep of a batch of solves: `(y0_bar (batch, n), pd_bar)`. `y_cp`, `g` and
     `rec` have the batch axis first; `pd = (values, axes)` and `pn = (values, axes)`
     give each parameter leaf's batch axis (0) or None for a leaf the batch shares,
-    whose cotangent is then summed over the batch."""
+    whose cotangent is then summed over the batch. `per_element`: the record's
+    `Record.per_element` (see `CheckpointSweep`)."""
     (pd, pd_axes), (pn, pn_axes) = pd, pn
     flat = lambda v, axes: tuple(jax.tree_util.tree_structure(v).flatten_up_to(axes))  # noqa: E731
     return _BatchedSweep.apply(
         y_cp, g, pd, pn, rec, f=f, loop=loop, every=every,
-        p_axes=(flat(pd, pd_axes), flat(pn, pn_axes)),
+        p_axes=(flat(pd, pd_axes), flat(pn, pn_axes)), per_element=per_element,
     )  # fmt: skip
 
 
@@ -196,18 +204,23 @@ class _BatchedSweep(_Sweep):
     """`CheckpointSweep` over a batch of solves: a leading batch axis on `y_cp`, `g`
     and `record`; each leaf of `pd` and `pn` batched (axis 0) or shared, as the param
     `p_axes = (pd axes, pn axes)` (flat tuples of 0 or None) says. The cotangent of a
-    shared leaf of `pd` is summed over the batch."""
+    shared leaf of `pd` is summed over the batch. Param `per_element` as for
+    `CheckpointSweep`."""
 
-    def __init__(self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every, p_axes):
+    def __init__(
+        self, y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval, *, f, loop, every, p_axes,
+        per_element,
+    ):  # fmt: skip
         self.in_avals = (y_cp_aval, g_aval, pd_aval, pn_aval, rec_aval)
         self.out_aval = (jax.ShapeDtypeStruct(g_aval.shape[::2], g_aval.dtype), pd_aval)
-        self.params = dict(f=f, loop=loop, every=every, p_axes=p_axes)
+        self.params = dict(f=f, loop=loop, every=every, p_axes=p_axes, per_element=per_element)
         super().__init__()
 
     def expand(self, y_cp, g, pd, pn, rec):
         pd_axes, pn_axes = self.p_axes
         axes = (_unflatten_like(pd, pd_axes), _unflatten_like(pn, pn_axes))
-        return _sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec, axes)
+        sweep = per_element(_sweep, self.per_element)
+        return sweep(self.f, self.loop, self.every, y_cp, g, pd, pn, rec, axes)
 
 
 # The most numbers (`n_out * n`) for which the sweep sums the outputs' cotangents per
@@ -226,7 +239,7 @@ def chunk_size(method: Any, size: int, n: int, every: int) -> int:
     one solve (`size` 1; a batch of solves already linearises its elements together)
     of at least `LINEARIZE_MIN_STATES` states, unless JAX's default backend is the CPU
     and the method's `derivative_solver` factors a batch no faster than one matrix
-    after another (`LinearSolver.factors_in_batches`); else 1.
+    after another (`LinearSolver.factors_in_batches_at`); else 1.
 
     Measured on CPU: the blocked LU of the 16 x 16 grid's band (512 unknowns,
     `lower = upper = 62` after reordering) takes 10.6 ms for eight matrices at once
@@ -235,7 +248,7 @@ def chunk_size(method: Any, size: int, n: int, every: int) -> int:
     if size != 1 or n < LINEARIZE_MIN_STATES:
         return 1
     solver = method.derivative_solver
-    if solver is None or solver.factors_in_batches or jax.default_backend() != "cpu":
+    if solver is None or solver.factors_in_batches_at(n) or jax.default_backend() != "cpu":
         return math.gcd(every, LINEARIZE_CHUNK)
     return 1
 
