@@ -423,6 +423,11 @@ def test_chunk_size_follows_the_stage_solver(monkeypatch):
     # radau5's derivative solves its three stages coupled, in a band three times as wide.
     assert sweep.chunk_size(with_solver("rodas5p", linear_solve.Banded(6, 6)), 1, many, 64) == 8
     assert sweep.chunk_size(with_solver("radau5", linear_solve.Banded(6, 6)), 1, many, 64) == 1
+    # Its replayed Newton iteration factors with the stage solver: a (2, 2) band of 512
+    # unknowns by partitions, although the coupled band (8, 8) of 1536 batches well.
+    assert linear_solve.Banded(2, 2).coupled(3).factors_in_batches_at(3 * 512)
+    assert sweep.chunk_size(with_solver("radau5", narrow), 1, 511, 64) == 8
+    assert sweep.chunk_size(with_solver("radau5", narrow), 1, 512, 64) == 1
     # Elsewhere the batch is kept whatever the solver.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert sweep.chunk_size(with_solver("bdf", wide), 1, many, 64) == 8

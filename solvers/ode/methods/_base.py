@@ -261,13 +261,14 @@ class AbstractMethod(abc.ABC):
         """Factorisations of a stage matrix a step attempt makes."""
         return int(self.implicit)
 
-    @property
-    def derivative_solver(self) -> Any:
-        """The `LinearSolver` whose factorisations a step's linearisation makes (an
-        implicit method's stage solver, in the form its derivative solves with), or
-        `None` for a method that factors nothing. The checkpointed adjoint asks it
-        whether to linearise several steps in one batch."""
-        return None
+    def linearisation_solvers(self, n: int) -> tuple[tuple[Any, int], ...]:
+        """The `LinearSolver`s whose factorisations a step's linearisation makes, for
+        a state of `n` entries, each with the number of unknowns it factors: an
+        implicit method's stage solver (as its Newton iteration and its derivative
+        solve with it); none for a method that factors nothing. The checkpointed
+        adjoint asks them whether to linearise several steps in one batch."""
+        del n
+        return ()
 
     @property
     def interpolation(self) -> Any:

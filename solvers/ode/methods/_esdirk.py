@@ -129,9 +129,8 @@ class ESDIRK(TableauMethod):
     def evals_per_step(self) -> int:
         return 0 if self.stiffly_accurate else 1
 
-    @property
-    def derivative_solver(self) -> LinearSolver:
-        return self.linear_solver
+    def linearisation_solvers(self, n: int) -> tuple[tuple[LinearSolver, int], ...]:
+        return ((self.linear_solver, n),)
 
     def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
         tol = tol or StageTolerance()

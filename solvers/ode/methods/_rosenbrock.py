@@ -148,9 +148,8 @@ class Rosenbrock(AbstractMethod):
         # Stages 2..s, and `f` at the step's end for the next step's first stage.
         return self.stages
 
-    @property
-    def derivative_solver(self) -> LinearSolver:
-        return self.linear_solver
+    def linearisation_solvers(self, n: int) -> tuple[tuple[LinearSolver, int], ...]:
+        return ((self.linear_solver, n),)
 
     def continuous_weights(self) -> np.ndarray | None:
         """The continuous extension on the basis `[y, y1, k1_next, k_1, ..., k_s]`

@@ -316,9 +316,8 @@ class BDF(AbstractMethod):
         # Only the corrector's own evaluations (one per Newton iteration).
         return 0
 
-    @property
-    def derivative_solver(self) -> LinearSolver:
-        return self.linear_solver
+    def linearisation_solvers(self, n: int) -> tuple[tuple[LinearSolver, int], ...]:
+        return ((self.linear_solver, n),)
 
     def initial_carry(self, y0, k0):
         dt = y0.dtype

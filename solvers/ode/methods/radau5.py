@@ -243,9 +243,10 @@ class Radau5(AbstractMethod):
         # `f` at the step's end (the next step's error estimate starts from it).
         return 1
 
-    @property
-    def derivative_solver(self) -> LinearSolver:
-        return self.linear_solver.coupled(3)  # the collocation equations' derivative
+    def linearisation_solvers(self, n: int) -> tuple[tuple[LinearSolver, int], ...]:
+        # A replayed step iterates with the stage solver (its real and complex
+        # systems); its derivative solves the three collocation equations coupled.
+        return ((self.linear_solver, n), (self.linear_solver.coupled(3), 3 * n))
 
     @property
     def factorisations_per_step(self) -> int:
