@@ -392,9 +392,10 @@ def test_default_stage_solver_pattern_holds_at_every_time(x64):
 
 def test_chunk_size_follows_the_stage_solver(monkeypatch):
     """The adjoint sweep linearises `LINEARIZE_CHUNK` steps at once for one solve of
-    at least `LINEARIZE_MIN_STATES` states, unless (on CPU) the solver its step's
-    derivative prepares factors a batch badly (`factors_in_batches_at`: a wide band,
-    or a long narrow one, factored by partitions)."""
+    at least `LINEARIZE_MIN_STATES` states, unless (on CPU) a solver its step's
+    linearisation factors with (`linearisation_solvers`: the stage solver, for radau5
+    also its coupled stages) factors a batch badly (`factors_in_batches_at`: a wide
+    band, or a long narrow one, factored by partitions)."""
     from solvers.ode.adjoints import sweep
     from solvers.ode.methods import resolve_method
 

@@ -39,10 +39,10 @@ class CheckpointAdjoint(AbstractAdjoint):
     is recomputed, and about `sqrt(max_steps)` (rounded down to a multiple of 8)
     otherwise. For a state of 100
     entries or more, the steps of a segment are linearised eight at a time in one
-    batch, so their Jacobians and factorisations run batched (on CPU, not when the
-    stage solver factors a batch no faster than one matrix after another: a wide
-    band's blocked LU or a long narrow band's partitions, see
-    `LinearSolver.factors_in_batches_at`); and a method whose stage
+    batch, so their Jacobians and factorisations run batched (on CPU, not when a
+    solver the step's linearisation factors with factors a batch no faster than one
+    matrix after another: a wide band's blocked LU or a long narrow band's
+    partitions, see `AbstractMethod.linearisation_solvers`); and a method whose stage
     equation is solved by the step's end (BDF's corrector) takes that end from the
     record instead of iterating again. Outputs inside a step (`interpolate=True`) are
     linear in the step's stages, so their cotangents join that pull-back. Memory is

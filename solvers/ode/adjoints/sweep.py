@@ -20,10 +20,11 @@ solution) depend only on the recomputed states. So for one solve of at least
 one at a time, last first. The batch runs the chunk's factorisations and field
 evaluations together (a narrow band's LU of 512 unknowns costs about a seventh as much
 per matrix in a batch of 64 as alone); the price is a chunk's linearisations held at
-once and a last chunk that may run past its segment's steps. With a stage solver whose
-factorisation is no faster in a batch on CPU (`LinearSolver.factors_in_batches_at`: a
-wide band's blocked LU, a long narrow band's partitions), the steps are linearised one
-at a time there (`chunk_size`).
+once and a last chunk that may run past its segment's steps. Where a solver the step's
+linearisation factors with (`AbstractMethod.linearisation_solvers`: the stage solver,
+and for radau5 its coupled stages too) is no faster in a batch on CPU
+(`LinearSolver.factors_in_batches_at`: a wide band's blocked LU, a long narrow band's
+partitions), the steps are linearised one at a time there (`chunk_size`).
 The replay knows each step's end (the next step's start, the next checkpoint, or for
 the last step the solve's end, `loop.write_end`) and hands it to the method
 (`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of

@@ -262,11 +262,12 @@ class AbstractMethod(abc.ABC):
         return int(self.implicit)
 
     def linearisation_solvers(self, n: int) -> tuple[tuple[Any, int], ...]:
-        """The `LinearSolver`s whose factorisations a step's linearisation makes, for
-        a state of `n` entries, each with the number of unknowns it factors: an
-        implicit method's stage solver (as its Newton iteration and its derivative
-        solve with it); none for a method that factors nothing. The checkpointed
-        adjoint asks them whether to linearise several steps in one batch."""
+        """The `LinearSolver`s whose factorisations a step's linearisation makes (the
+        replayed step and its derivative), for a state of `n` entries, each with the
+        number of unknowns it factors: an implicit method's stage solver (and any
+        other form of it the step solves with); none for a method that factors
+        nothing. The checkpointed adjoint asks them (`LinearSolver.factors_in_batches_at`)
+        whether to linearise several steps in one batch."""
         del n
         return ()
 
