@@ -156,7 +156,8 @@ def step_polynomials(method: AbstractMethod, f, ys, ts, params, steps=None):
         h = jnp.where(empty, 1e-9 * span, h)
         k1 = f(y, t, params)
         if method.continuous_weights() is not None:
-            # A fresh carry: the step keeps nothing of the solve (radau5's factors).
+            # A fresh carry: the step keeps nothing of the solve (radau5's factors and
+            # the start of its iteration).
             carry = method.initial_carry(y, k1)
             *_, ks = method.step_with_stages(f, y, carry, t, h, params)
             k_next = f(y1, t1, params)

@@ -62,6 +62,76 @@ def test_local_error_is_of_order_six(x64):
     assert all(50 < r < 80 for r in ratios), (errors, ratios)
 
 
+def test_extrapolated_start_is_exact_on_a_cubic(x64):
+    """The start extrapolates the collocation polynomial, a cubic through `y` and the
+    three stages: for increments taken from a cubic, it is that cubic's increments at
+    the new points, `u(1 + c_i r) - u(1)`, for any step ratio `r` (zero for r = 0)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 4))  # u(theta) = y + a1 theta + a2 theta^2 + a3 theta^3
+
+    def u(theta):
+        return sum(a[p] * theta ** (p + 1) for p in range(3))  # minus y
+
+    z = np.stack([u(c) for c in radau5.C], axis=1)  # (n, 3)
+    for r in (0.0, 0.5, 1.0, 1.7):
+        got = np.asarray(radau5.extrapolated_start(jnp.asarray(z), r))
+        want = np.stack([u(1 + c * r) - u(1.0) for c in radau5.C], axis=1)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_starts_from_the_last_steps_polynomial(x64, monkeypatch):
+    """A step's carry holds its stage increments and size; the next step's iteration
+    starts from their extrapolation and takes fewer iterations than from zero (a
+    fresh carry), for the same stages within the iteration's tolerance. A step far
+    longer than the last starts from zero."""
+    iterations, starts = [], []
+    newton = radau5.simplified_newton
+
+    def counted(*args, **kwargs):
+        out = newton(*args, **kwargs)
+        jax.debug.callback(lambda i: iterations.append(int(i)), out[3])
+        # The start, back from the iteration's transformed increments.
+        jax.debug.callback(lambda x: starts.append(np.asarray(x)), radau5._mix(radau5.T, args[1]))
+        return out
+
+    monkeypatch.setattr(radau5, "simplified_newton", counted)
+
+    def f(y, t, p):
+        return jnp.stack([y[0] * jnp.cos(t), -2.0 * y[1] + jnp.sin(t) * y[0]])
+
+    m = Radau5()
+    tol = StageTolerance(rtol=1e-10, atol=1e-10)
+    t0, h = 0.3, 0.1
+    y0 = jnp.array([1.0, 0.5])
+    y1, _, carry1, ok, _ = m.step_with_stages(
+        f, y0, m.initial_carry(y0, f(y0, t0, ())), t0, h, (), tol=tol
+    )
+    z, h_kept = carry1.start.unpack(2)
+    np.testing.assert_allclose(z[:, 2], y1 - y0, rtol=1e-14)
+    assert float(h_kept) == h and bool(ok)
+    iterations.clear()
+    starts.clear()
+    t1 = t0 + h
+    y2, *_ = m.step_with_stages(f, y1, carry1, t1, 1.3 * h, (), tol=tol)
+    fresh = m.initial_carry(y1, f(y1, t1, ()))
+    y2_fresh, *_ = m.step_with_stages(f, y1, fresh, t1, 1.3 * h, (), tol=tol)
+    extrapolated, from_zero = iterations
+    assert extrapolated < from_zero, iterations
+    want = radau5.extrapolated_start(z, 1.3)
+    np.testing.assert_allclose(starts[0], want, rtol=1e-12, atol=1e-15)
+    assert np.all(starts[1] == 0) and np.any(starts[0] != 0)
+    np.testing.assert_allclose(y2, y2_fresh, rtol=1e-9)
+    # A step more than START_RATIO_MAX times as long starts from zero, as a fresh one.
+    long = 2 * radau5.START_RATIO_MAX * h
+    iterations.clear()
+    starts.clear()
+    y3 = m.step_with_stages(f, y1, carry1, t1, long, (), tol=tol)[0]
+    y3_fresh = m.step_with_stages(f, y1, fresh, t1, long, (), tol=tol)[0]
+    assert iterations[0] == iterations[1], iterations
+    assert np.all(starts[0] == 0)
+    np.testing.assert_array_equal(y3, y3_fresh)
+
+
 def test_stiff_component_decays_in_one_step(x64):
     """L-stability and stiff accuracy: on y' = -1e8 (y - cos t), from 4 off the slow
     solution, one step of size 1 lands on it, where an A-stable method that is not

@@ -41,7 +41,7 @@ from .dopri5 import Dopri5
 from .dopri8 import Dopri8
 from .euler import Euler
 from .kvaerno5 import Kvaerno5
-from .radau5 import Radau5, Radau5Carry
+from .radau5 import Radau5, Radau5Carry, StageStart
 from .rk4 import RK4
 from .rodas4 import Rodas4
 from .rodas5p import Rodas5P
@@ -67,6 +67,7 @@ __all__ = [
     "Kvaerno5",
     "Radau5",
     "Radau5Carry",
+    "StageStart",
     "FactorMemory",
     "BDF",
     "BDFCarry",

@@ -44,7 +44,7 @@ from implicitdiff.linear_solve import LinearSolver
 
 from .._small import weighted_stages
 from ._base import StageTolerance, after, jacobian_product, lower_triangle
-from ._newton import simplified_newton
+from ._newton import rounding_floor, simplified_newton
 from ._runge_kutta import TableauMethod, combine
 
 __all__ = ["ESDIRK", "NEWTON_ITERS", "NEWTON_KAPPA", "ROLL_MIN_STATES"]
@@ -163,6 +163,7 @@ class ESDIRK(TableauMethod):
                 kappa=NEWTON_KAPPA,
                 max_iters=NEWTON_ITERS,
                 eta0=eta0,
+                floor=rounding_floor(tol.rtol, dt),
             )
             return z, (conv, eta)
 

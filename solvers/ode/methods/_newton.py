@@ -1,5 +1,4 @@
-"""The simplified Newton iteration of the implicit Runge-Kutta methods, and its stopping
-test.
+"""The simplified Newton iteration of the implicit methods, and its stopping test.
 
 The iteration matrix is fixed for the whole step (the Jacobian at the step's start),
 so the iteration converges linearly, and Hairer and Wanner's test (Solving ODEs II,
@@ -8,6 +7,15 @@ IV.8) stops it: with the contraction rate `theta_k = |dx_k| / |dx_(k-1)|` and
 the iteration has converged once that is at most `kappa` in the weighted RMS norm of
 the error control. A rate of 1 or more (divergence), a non-finite iterate or
 `max_iters` iterations fail it.
+
+The rounding floor. Near the solution, a correction is the rounding error of the
+residual passed through the iteration matrix's inverse: for a badly scaled matrix (a
+DAE's algebraic rows at a tight tolerance) that can be a thousand roundings of the
+solution, far above `kappa`, and successive corrections stop shrinking. A rate
+measured there says nothing about convergence, so an iteration whose rate is
+`STALL_RATE` or more while its correction is below `floor` (`rounding_floor`) has
+converged: its iterate is as accurate as the arithmetic allows. Away from the floor
+the test is Hairer and Wanner's.
 """
 
 from __future__ import annotations
@@ -15,9 +23,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["hairer_kappa", "simplified_newton"]
+__all__ = ["STALL_RATE", "hairer_kappa", "rounding_floor", "simplified_newton"]
 
 _RUNNING, _CONVERGED, _FAILED = 0, 1, 2
+
+#: The contraction rate from which an iteration counts as stalled (see the module): at
+#: this rate, reaching `kappa` from above the floor takes many more iterations than a
+#: step allows, so the test would otherwise reject the step.
+STALL_RATE = 0.9
+
+#: The most roundings of the solution, in units of the tolerance, that the iteration
+#: matrix can amplify a residual's rounding error into (see `rounding_floor`).
+ROUNDING_GAIN = 1e4
 
 
 def hairer_kappa(rtol: float, dtype) -> float:
@@ -28,7 +45,15 @@ def hairer_kappa(rtol: float, dtype) -> float:
     return max(10 * eps / rtol, min(0.03, rtol**0.5))
 
 
-def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0):
+def rounding_floor(rtol: float, dtype) -> float:
+    """The size, in units of the tolerance, below which a stalled iteration's
+    corrections are rounding noise: `ROUNDING_GAIN` roundings of the solution, and
+    never more than `0.03` (Hairer and Wanner's loosest `kappa`)."""
+    eps = float(jnp.finfo(dtype).eps)
+    return min(0.03, ROUNDING_GAIN * eps / rtol)
+
+
+def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0, floor=0.0):
     """Iterate `x <- x + correction(x)` from `x0` (see the module).
 
     Arguments:
@@ -41,12 +66,14 @@ def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0):
         max_iters: the most iterations.
         eta0: the `eta` the first iteration's test uses (it has no rate of its own):
             a previous solve's, damped as `eta0 ** 0.8`.
+        floor: the rounding floor of the corrections (`rounding_floor`); `0` for none.
 
     Returns:
         `(x, converged, eta, iterations)`.
     """
     rdt = jnp.finfo(jnp.result_type(x0)).dtype
     eps = float(jnp.finfo(rdt).eps)
+    floor = max(float(floor), 100 * eps)
 
     def body(carry):
         x, _, it, prev, eta = carry
@@ -56,8 +83,9 @@ def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0):
         theta = size_k / prev
         eta = jnp.where(it == 0, jnp.maximum(eta, eps) ** 0.8, theta / jnp.maximum(1 - theta, eps))
         finite = jnp.all(jnp.isfinite(x)) & jnp.isfinite(size_k)
-        diverged = (it > 0) & (theta >= 1) & (size_k > 100 * eps)
-        done = (eta * size_k <= kappa) | (size_k <= 100 * eps)
+        at_floor = (size_k <= 100 * eps) | ((it > 0) & (theta >= STALL_RATE) & (size_k <= floor))
+        diverged = (it > 0) & (theta >= 1) & ~at_floor
+        done = (eta * size_k <= kappa) | at_floor
         state = jnp.where(~finite | diverged, _FAILED, jnp.where(done, _CONVERGED, _RUNNING))
         return x, state, it + 1, size_k, eta
 

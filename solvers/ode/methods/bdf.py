@@ -64,7 +64,7 @@ from ._base import (
     keep_or_compute,
     placeholder,
 )
-from ._newton import hairer_kappa, simplified_newton
+from ._newton import hairer_kappa, rounding_floor, simplified_newton
 
 __all__ = [
     "BDF",
@@ -404,7 +404,7 @@ class BDF(AbstractMethod):
             return stat(solver.init(lambda v: mass(v) - c_a * jvp(v), y))
 
         # The corrector's stopping test (see `NEWTON_ITERS`).
-        kappa = hairer_kappa(tol.rtol, dt)
+        kappa, floor = hairer_kappa(tol.rtol, dt), rounding_floor(tol.rtol, dt)
 
         def norm(dz, z):
             scale = tol.atol + tol.rtol * jnp.abs(y_c[:size])
@@ -421,6 +421,7 @@ class BDF(AbstractMethod):
                 kappa=kappa,
                 max_iters=NEWTON_ITERS,
                 eta0=1.0,
+                floor=floor,
             )
             return z, conv
 

@@ -18,6 +18,15 @@ imaginary parts side by side). From `_reuse.REUSE_MIN_STATES` states on, a step 
 the last one's size reuses its factors when its iteration contracted fast (RADAU5's
 rule, see `solvers.ode.methods._reuse`).
 
+As in RADAU5, the iteration starts from the last accepted step's collocation
+polynomial, extrapolated to the new step's collocation points (`StageStart`); from
+zero at the first step, and for a step more than `START_RATIO_MAX` times as long as
+the last (after a sliver of a step to an output time). On ROBER, HIRES, VDPOL, OREGO,
+POLLU and the 64-point Brusselator it then takes 2.1 to 3.2 iterations a step on
+average, against 3.1 to 3.9 from zero. Unlike RADAU5, each step's stopping test starts
+afresh rather than from the last step's contraction rate: with that rate some
+iterations stopped after one correction, and HIRES ran 1.45x slower.
+
 The stage equations go through `implicitdiff.custom_root`: differentiating a step
 (the checkpointed adjoint, forward sensitivities) uses the implicit function theorem
 on the `3 n` collocation equations, with the same linear solver for `3` coupled
@@ -46,13 +55,34 @@ from implicitdiff.linear_solve import LinearSolver
 
 from ..mass import MassMatrix, apply_mass
 from . import _reuse
-from ._base import AbstractMethod, StageTolerance, after, factor_shapes, jacobian_product
-from ._newton import hairer_kappa, simplified_newton
+from ._base import (
+    AbstractMethod,
+    Memory,
+    StageTolerance,
+    after,
+    factor_shapes,
+    jacobian_product,
+)
+from ._newton import hairer_kappa, rounding_floor, simplified_newton
 
-__all__ = ["NEWTON_ITERS", "Radau5", "Radau5Carry"]
+__all__ = [
+    "NEWTON_ITERS",
+    "START_RATIO_MAX",
+    "Radau5",
+    "Radau5Carry",
+    "StageStart",
+    "extrapolated_start",
+]
 
 #: The most simplified Newton iterations of one step.
 NEWTON_ITERS = 10
+#: A step more than this many times as long as the last accepted one starts its
+#: iteration from zero, not from the extrapolated polynomial (`extrapolated_start`).
+#: The controller grows a step at most 10-fold (`controller.GROW_MAX`); a larger ratio
+#: follows a step shortened to land on an output time, whose polynomial, extrapolated
+#: so far, says nothing. (Measured with 400 output times on ROBER, HIRES, VDPOL, OREGO
+#: and POLLU: the iterations are the same as with no bound.)
+START_RATIO_MAX = 10.0
 
 _S6 = math.sqrt(6.0)
 #: The collocation points.
@@ -93,6 +123,40 @@ def _collocation_weights() -> np.ndarray:
     nodes = np.array((0.0,) + C)
     vander = np.vander(nodes, 4, increasing=True)
     return np.linalg.solve(vander, np.eye(4))[:, 1:].T  # (stage, power)
+
+
+#: The collocation polynomial's basis, `L_i(theta) = sum_p LAGRANGE[i, p] theta^p`.
+LAGRANGE = _collocation_weights()
+
+
+def _taylor_at_one(coeffs: np.ndarray) -> np.ndarray:
+    """`d` with `L(1 + s) - L(1) = d[0] s + d[1] s^2 + d[2] s^3` for the cubic `L` of
+    coefficients `coeffs` (lowest power first)."""
+    return np.array([sum(coeffs[p] * math.comb(p, k) for p in range(k, 4)) for k in range(1, 4)])
+
+
+#: Each basis polynomial about the step's end: `L_i(1 + s) - L_i(1) = sum_k
+#: SHIFTED[i, k] s^(k + 1)`.
+SHIFTED = np.stack([_taylor_at_one(row) for row in LAGRANGE])
+
+
+def extrapolated_start(z, ratio):
+    """The starting increments of a step `ratio` times as long as the step whose
+    increments are `z`, from that step's collocation polynomial `u(theta) = y + sum_j
+    L_j(theta) z_j`: `u(1 + c_i ratio) - u(1)` at the new collocation points (Hairer's
+    RADAU5), as a polynomial in `s_i = c_i ratio` (so exactly zero for `ratio = 0`).
+
+    Written as elementwise products and sums (Horner's rule on the three points at
+    once), which XLA fuses: as two small matrix products it cost several microseconds
+    a step on an 8-state system."""
+    s = jnp.asarray(C, z.dtype) * ratio  # (3,)
+    out = None
+    for j in range(3):
+        d1, d2, d3 = (float(d) for d in SHIFTED[j])
+        lj = s * (d1 + s * (d2 + s * d3))
+        term = z[:, j : j + 1] * lj[None]
+        out = term if out is None else out + term
+    return out
 
 
 def _mix(m: np.ndarray, z):
@@ -192,6 +256,28 @@ class _Systems:
         return self._solve(self.pair_solver, prepared[1], jnp.stack([b_re, b_im], axis=1))
 
 
+class StageStart(Memory):
+    """Where the next step's iteration starts (never differentiated: the stages'
+    derivative is implicit), as one array: the checkpointed adjoint records the carry
+    at every step, and each array in it is a write per step and a read per step back.
+
+    Attributes:
+        packed: `(3 n + 1,)`: the last accepted step's stage increments `z` (`(n, 3)`
+            row by row; zero before the first step), then its size `h` (0 before the
+            first step, whose iteration starts from zero).
+    """
+
+    packed: Array
+
+    @classmethod
+    def pack(cls, z, h) -> StageStart:
+        return cls(packed=jnp.concatenate([z.reshape(-1), jnp.asarray(h, z.dtype)[None]]))
+
+    def unpack(self, n: int):
+        """`(z, h)`."""
+        return self.packed[: 3 * n].reshape(n, 3), self.packed[3 * n]
+
+
 class Radau5Carry(eqx.Module):
     """What `Radau5` hands from one accepted step to the next.
 
@@ -199,10 +285,12 @@ class Radau5Carry(eqx.Module):
         k: `f` at the step's end.
         memory: the step's factors, for the next step to reuse (`_reuse.FactorMemory`),
             or `None` for a small system or a solver that keeps no factors.
+        start: where the next step's iteration starts (`StageStart`).
     """
 
     k: Float[Array, ...]
     memory: _reuse.FactorMemory | None
+    start: StageStart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +346,7 @@ class Radau5(AbstractMethod):
         with `k_i = Z_i / h` the stages this method returns."""
         w = np.zeros((6, 4))
         w[0, 0] = 1.0
-        w[3:] = _collocation_weights()
+        w[3:] = LAGRANGE
         return w
 
     def _systems(self, n: int, dt) -> _Systems:
@@ -270,7 +358,9 @@ class Radau5(AbstractMethod):
         memory = None
         if systems.reuses:
             memory = _reuse.FactorMemory.empty(systems.factor_shapes, y0.dtype)
-        return Radau5Carry(k=k0, memory=memory)
+        n = y0.shape[0]
+        start = StageStart.pack(jnp.zeros((n, 3), y0.dtype), 0)
+        return Radau5Carry(k=k0, memory=memory, start=start)
 
     def slope(self, carry: Radau5Carry):
         return carry.k
@@ -295,6 +385,7 @@ class Radau5(AbstractMethod):
         nonzero = h != 0
         inv_h = jnp.where(nonzero, 1 / jnp.where(nonzero, h, 1), 0)
         k1, memory = carry.k, carry.memory
+        z_last, h_last = carry.start.unpack(n)
         stat = jax.lax.stop_gradient
         systems = self._systems(n, dt)
         mass = systems.mass
@@ -331,7 +422,7 @@ class Radau5(AbstractMethod):
             pair = systems.solve_pair(prepared, rhs_re, rhs_im)
             return jnp.concatenate([d_real[:, None], pair], axis=1)
 
-        kappa = hairer_kappa(tol.rtol, dt)
+        kappa, floor = hairer_kappa(tol.rtol, dt), rounding_floor(tol.rtol, dt)
 
         def newton(res, z0):
             w, conv, eta, iters = simplified_newton(
@@ -341,13 +432,17 @@ class Radau5(AbstractMethod):
                 kappa=kappa,
                 max_iters=NEWTON_ITERS,
                 eta0=1.0,
+                floor=floor,
             )
             return _mix(T, w), (conv, _reuse.contraction(eta, iters))
 
         def residual(z):
             return mass(z) - h * _mix(A, stage_fields(z))
 
-        z0 = jnp.zeros((n, 3), dt)
+        known = h_last != 0
+        ratio = jnp.where(known, h / jnp.where(known, h_last, 1), 0)
+        extrapolate = (ratio != 0) & (jnp.abs(ratio) <= START_RATIO_MAX)
+        z0 = stat(jnp.where(extrapolate, extrapolated_start(z_last, ratio), 0))
         z, (ok, theta) = custom_root(
             residual, z0, newton, self.linear_solver.coupled(3), has_aux=True
         )
@@ -360,7 +455,8 @@ class Radau5(AbstractMethod):
                 factors=prepared, h=stat(h), theta=stat(theta).astype(memory.theta.dtype),
                 work=work,
             )  # fmt: skip
-        return y1, err, Radau5Carry(k=k_next, memory=memory), ok, ks
+        start = StageStart.pack(stat(z), stat(h))
+        return y1, err, Radau5Carry(k=k_next, memory=memory, start=start), ok, ks
 
     def _error(self, f, y, t, params, k1_z, inv_h, systems, prepared, tol):
         """Hairer's error estimate, refined by one more solve where it exceeds the
