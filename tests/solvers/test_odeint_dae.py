@@ -394,8 +394,8 @@ def test_transistor_amplifier_matches_the_test_set_reference(x64, method, rtol, 
 def test_transistor_amplifier_at_a_tight_tolerance_iterates_to_the_rounding_floor(x64):
     """At rtol = atol = 1e-10 the stage iteration of this DAE stalls at its rounding
     floor (corrections of 1e-4 to 3e-3 tolerance units that no longer shrink): that
-    counts as converged, so the steps neither fail nor shrink for it, and the solution
-    still matches the test set's reference."""
+    is taken as converged, so the steps hardly fail or shrink for it, and the solution
+    still matches the test set's reference to about 1e-12."""
     ys, info = jax.jit(
         lambda: odeint(
             transistor_amplifier, jnp.asarray(AMPLIFIER_Y0), jnp.array([0.0, 0.2]), _UB,
@@ -407,7 +407,7 @@ def test_transistor_amplifier_at_a_tight_tolerance_iterates_to_the_rounding_floo
     assert int(info.num_stage_failures) < 0.01 * steps, info
     assert int(info.rejected) < 0.02 * steps, info
     err = np.max(np.abs(ys[-1] - AMPLIFIER_REF) / np.maximum(np.abs(AMPLIFIER_REF), 1e-6))
-    assert err < 1e-10, err
+    assert err < 1e-11, err
 
 
 @pytest.mark.slow

@@ -5,17 +5,19 @@ so the iteration converges linearly, and Hairer and Wanner's test (Solving ODEs 
 IV.8) stops it: with the contraction rate `theta_k = |dx_k| / |dx_(k-1)|` and
 `eta = theta / (1 - theta)`, the distance to the solution is about `eta |dx_k|`, and
 the iteration has converged once that is at most `kappa` in the weighted RMS norm of
-the error control. A rate of 1 or more (divergence), a non-finite iterate or
-`max_iters` iterations fail it.
+the error control. A rate of 1 or more (divergence) above the rounding floor, a
+non-finite iterate or `max_iters` iterations fail it.
 
 The rounding floor. Near the solution, a correction is the rounding error of the
 residual passed through the iteration matrix's inverse: for a badly scaled matrix (a
 DAE's algebraic rows at a tight tolerance) that can be a thousand roundings of the
 solution, far above `kappa`, and successive corrections stop shrinking. A rate
 measured there says nothing about convergence, so an iteration whose rate is
-`STALL_RATE` or more while its correction is below `floor` (`rounding_floor`) has
-converged: its iterate is as accurate as the arithmetic allows. Away from the floor
-the test is Hairer and Wanner's.
+`STALL_RATE` or more while its correction is below `floor` (`rounding_floor`) is
+taken as converged. The test cannot tell such noise from a real contraction that
+slow (whose remaining error may be many corrections): the step's error estimate,
+computed from the iterate, is the safeguard. Away from the floor the test is Hairer
+and Wanner's.
 """
 
 from __future__ import annotations
