@@ -155,6 +155,8 @@ class ESDIRK(TableauMethod):
             scale = tol.atol + tol.rtol * jnp.abs(z[:size])
             return jnp.sqrt(jnp.mean(jnp.square(jnp.abs(dz[:size]) / scale)))
 
+        floor = rounding_floor(tol.rtol, dt)
+
         def newton(res, z0, lu, eta0):
             z, conv, eta, _ = simplified_newton(
                 lambda z: solver.solve(lu, -res(z)),
@@ -163,7 +165,7 @@ class ESDIRK(TableauMethod):
                 kappa=NEWTON_KAPPA,
                 max_iters=NEWTON_ITERS,
                 eta0=eta0,
-                floor=rounding_floor(tol.rtol, dt),
+                floor=floor,
             )
             return z, (conv, eta)
 

@@ -55,7 +55,7 @@ def rounding_floor(rtol: float, dtype) -> float:
     return min(0.03, ROUNDING_GAIN * eps / rtol)
 
 
-def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0, floor=0.0):
+def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0, floor):
     """Iterate `x <- x + correction(x)` from `x0` (see the module).
 
     Arguments:
@@ -68,7 +68,8 @@ def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0, floor=0.0
         max_iters: the most iterations.
         eta0: the `eta` the first iteration's test uses (it has no rate of its own):
             a previous solve's, damped as `eta0 ** 0.8`.
-        floor: the rounding floor of the corrections (`rounding_floor`); `0` for none.
+        floor: the rounding floor of the corrections in units of the tolerance
+            (`rounding_floor`; `0` keeps only the floor of `100 eps`).
 
     Returns:
         `(x, converged, eta, iterations)`.
