@@ -55,8 +55,29 @@ def test_stall_above_the_floor_fails(x64, floor):
 def test_stall_below_the_floor_converges(x64, rate):
     """The same stall (or corrections that grow, as rounding noise's may) with
     corrections under a floor of 1e-3: converged at the first measured rate."""
-    _, conv, _, iters = _iterate(rate, 1e-4, floor=1e-3)
+    _, conv, eta, iters = _iterate(rate, 1e-4, floor=1e-3)
     assert bool(conv) and int(iters) == 2
+    # The stalled rate is noise: `eta` is the first iteration's (`eta0 ** 0.8`), not
+    # `rate / (1 - rate)` (about 1 / eps at rate 1), which a next solve would start from.
+    assert float(eta) == 1.0
+
+
+def test_stall_after_a_contraction_keeps_the_measured_eta(x64):
+    """Corrections 1, 1/4, then a stall at 1/4 under the floor: converged at the stall,
+    with `eta` from the rate 1/4 measured before it."""
+    sizes = jnp.asarray([1.0, 0.25, 0.25, 0.25])
+
+    def correction(x):  # x[0] counts the iterations, x[1] moves by the listed sizes
+        return jnp.stack([1.0, sizes[x[0].astype(int)]])
+
+    def norm(dx, x):
+        return dx[1]
+
+    _, conv, eta, iters = simplified_newton(
+        correction, jnp.zeros(2), norm, kappa=1e-9, max_iters=10, eta0=1.0, floor=0.3
+    )
+    assert bool(conv) and int(iters) == 3
+    assert float(eta) == pytest.approx(0.25 / 0.75)
 
 
 def test_slow_contraction_below_the_floor_converges(x64):

@@ -72,7 +72,8 @@ def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0, floor):
             (`rounding_floor`; `0` keeps only the floor of `100 eps`).
 
     Returns:
-        `(x, converged, eta, iterations)`.
+        `(x, converged, eta, iterations)`: `eta` the last rate's, or the one before a
+        stall at the floor (`eta0 ** 0.8` if the first measured rate stalled).
     """
     rdt = jnp.finfo(jnp.result_type(x0)).dtype
     eps = float(jnp.finfo(rdt).eps)
@@ -84,9 +85,13 @@ def simplified_newton(correction, x0, norm, *, kappa, max_iters, eta0, floor):
         x = x + dx
         size_k = norm(dx, x)
         theta = size_k / prev
-        eta = jnp.where(it == 0, jnp.maximum(eta, eps) ** 0.8, theta / jnp.maximum(1 - theta, eps))
         finite = jnp.all(jnp.isfinite(x)) & jnp.isfinite(size_k)
-        at_floor = (size_k <= 100 * eps) | ((it > 0) & (theta >= STALL_RATE) & (size_k <= floor))
+        stalled = (it > 0) & (theta >= STALL_RATE) & (size_k <= floor)
+        at_floor = (size_k <= 100 * eps) | stalled
+        # A stalled rate measures the noise, not the iteration: the returned `eta` (a
+        # next solve's `eta0`) stays the last one measured above the floor.
+        measured = theta / jnp.maximum(1 - theta, eps)
+        eta = jnp.where(it == 0, jnp.maximum(eta, eps) ** 0.8, jnp.where(stalled, eta, measured))
         diverged = (it > 0) & (theta >= 1) & ~at_floor
         done = (eta * size_k <= kappa) | at_floor
         state = jnp.where(~finite | diverged, _FAILED, jnp.where(done, _CONVERGED, _RUNNING))
