@@ -39,6 +39,7 @@ from .state import RecordBuffers, StepState
 
 __all__ = [
     "KEEP_ALL_MAX",
+    "RECORD_MAX",
     "LINEARIZE_CHUNK",
     "LoopConfig",
     "Taken",
@@ -91,15 +92,37 @@ LINEARIZE_CHUNK = 8
 KEEP_ALL_MAX = 2**20
 
 
-def checkpoint_every(record: int, numbers: int = 0, checkpoints: int = 0) -> int:
+#: The most numbers (over a `vmap` batch) the checkpointed adjoint's record may take
+#: when it cannot keep every step's start (2^23: 64 MB in double precision): its
+#: segments are then made as long as that allows, up to `SEGMENT_STEPS_MAX` steps, so
+#: that a solve of fewer steps replays none.
+RECORD_MAX = 2**23
+
+#: The longest segment of a record that cannot keep every step's start. Each of its
+#: rows is filled and read whether the solve reaches it or not, so segments far longer
+#: than a solve's steps only cost. Measured on CPU with `max_steps=4096`: segments of
+#: 512 steps against the 64 of `sqrt(max_steps)` make the gradient 15 to 33% faster on
+#: the Brusselator (line of 64, 256 and 1024 points; 16 x 16 grid) and 64 and 1000
+#: copies of ROBER (bdf and rodas5p), and `radau5` on the 64-point line, which keeps
+#: its factors in every row, as fast; segments of 3000 steps make that one 2x slower.
+SEGMENT_STEPS_MAX = 512
+
+
+def checkpoint_every(
+    record: int, numbers: int = 0, checkpoints: int = 0, checkpoint_numbers: int = 0
+) -> int:
     """Accepted steps between two checkpoints of the state when recording `record`
-    steps whose starts hold `numbers` numbers each (the state and the carry, over the
-    batch). With `checkpoints` given, `record / checkpoints` (rounded up, and up to a
-    multiple of `LINEARIZE_CHUNK` once it is that large). Otherwise more than
-    `record` (a multiple of `LINEARIZE_CHUNK`, so that even the step that overflows
-    the record keeps its start: one segment) when that fits in `KEEP_ALL_MAX`, else
-    about `sqrt(record)`, so both the checkpoints and one segment hold that many,
-    rounded down to a multiple of `LINEARIZE_CHUNK` once it is that large."""
+    steps whose starts hold `numbers` numbers each (the state and the carry as a replay
+    reads it, over the batch) and whose checkpoints hold `checkpoint_numbers` each (the
+    state and the whole carry; `numbers` if not given). With `checkpoints` given,
+    `record / checkpoints` (rounded up, and up to a multiple of `LINEARIZE_CHUNK` once
+    it is that large). Otherwise more than `record` (a multiple of `LINEARIZE_CHUNK`,
+    so that even the step that overflows the record keeps its start: one segment) when
+    that fits in `KEEP_ALL_MAX`; else the longest segments (a multiple of
+    `LINEARIZE_CHUNK`, at most `SEGMENT_STEPS_MAX`) whose record, the checkpoints and
+    one segment, fits in `RECORD_MAX` numbers, and never shorter than about
+    `sqrt(record)` (rounded down to a multiple of `LINEARIZE_CHUNK` once it is that
+    large), where both hold that many."""
     record = max(record, 1)
 
     def up(every):
@@ -107,11 +130,33 @@ def checkpoint_every(record: int, numbers: int = 0, checkpoints: int = 0) -> int
 
     if checkpoints:
         return up(-(-record // checkpoints))
-    every = -(-(record + 1) // LINEARIZE_CHUNK) * LINEARIZE_CHUNK
-    if 0 < numbers and (every + 1) * numbers <= KEEP_ALL_MAX:
-        return every
+    whole = -(-(record + 1) // LINEARIZE_CHUNK) * LINEARIZE_CHUNK
+    if 0 < numbers and (whole + 1) * numbers <= KEEP_ALL_MAX:
+        return whole
     every = math.isqrt(record)
-    return every - every % LINEARIZE_CHUNK if every >= LINEARIZE_CHUNK else every
+    every = every - every % LINEARIZE_CHUNK if every >= LINEARIZE_CHUNK else every
+    if numbers <= 0:
+        return every
+    per_checkpoint = checkpoint_numbers or numbers
+
+    def memory(e):  # as `initial_state` allocates the record (record // e + 3 checkpoints)
+        return (record // e + 3) * per_checkpoint + (e + 1) * numbers
+
+    budget = max(RECORD_MAX, memory(every))
+    if whole <= SEGMENT_STEPS_MAX and memory(whole) <= budget:
+        return whole
+    # `memory` falls and then rises with the segment's length: the longest within the
+    # budget lies on the rising side, found by bisection over the multiples of the
+    # chunk between its minimum (or `every`) and `SEGMENT_STEPS_MAX`.
+    chunk = LINEARIZE_CHUNK
+    lowest = max(every, math.isqrt(record * per_checkpoint // numbers))
+    lo, hi = -(-lowest // chunk), min(whole, SEGMENT_STEPS_MAX) // chunk + 1
+    if lo >= hi or memory(lo * chunk) > budget:
+        return every
+    while hi - lo > 1:  # memory(lo * chunk) fits; hi is past the last that may
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if memory(mid * chunk) <= budget else (lo, mid)
+    return max(every, lo * chunk)
 
 
 def keeps_every_start(every: int, slots: int) -> bool:
@@ -402,9 +447,12 @@ def initial_state(
         # Every step's start is kept when the record stays small, over the batch of an
         # enclosing `vmap` too (the buffers are per element).
         kept = method.replay_carry(carry0)
-        per_step = n + sum(math.prod(jnp.shape(x)) for x in jax.tree_util.tree_leaves(kept))
+        size = lambda tree: sum(math.prod(jnp.shape(x)) for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
+        per_step, per_checkpoint = n + size(kept), n + size(carry0)
         batch = solve_batch(y0, ts, params)
-        every = checkpoint_every(cfg.record, per_step * batch, cfg.checkpoints)
+        every = checkpoint_every(
+            cfg.record, per_step * batch, cfg.checkpoints, per_checkpoint * batch
+        )
         n_cp = cfg.record // every + 3  # the last one is a spare
         slots = lambda m: lambda x: jnp.zeros((m,) + jnp.shape(x), jnp.result_type(x))  # noqa: E731
         rec = RecordBuffers(

@@ -136,11 +136,9 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
     if cfg.record:
         if out_theta is None:  # every output is a step end
             out_theta = jnp.ones(out_step.shape, tdt)
-        every = rec.y_last.shape[0] - 1  # (its last row is a spare)
-        k_last = jax.tree_util.tree_map(lambda b: b[:every], rec.k_last)
-        buffers = dataclasses.replace(
-            write_end(rec, state), y_last=rec.y_last[:every], k_last=k_last
-        )
+        # `y_last` and `k_last` keep their spare row: trimmed, each would be copied
+        # whole, a pass over a large system's buffers of up to `max_steps` rows.
+        buffers = write_end(rec, state)
         record = Record(
             buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc,
             per_element=in_batch(),

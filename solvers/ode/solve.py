@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -93,9 +94,16 @@ class ODESolve(Primitive):
         if self.cfg.throw:
             # Checked on the record too: under `grad` only the record may be used (the
             # solution itself can be dead code), and a solve that failed, or recorded
-            # fewer steps than it took, must not give a gradient silently.
+            # fewer steps than it took, must not give a gradient silently. The check is
+            # tied to the record's step count, which the sweep always reads, and not to
+            # its buffers: each leaf tied is a pass over it, and a large system's
+            # buffers of `max_steps` rows take tens of megabytes.
             cfg = dataclasses.replace(self.cfg, loop=loop)
-            ys, rec = failure_check((ys, rec), out.info, cfg)
+            if rec is None:
+                ys = failure_check(ys, out.info, cfg)
+            else:
+                ys, steps = failure_check((ys, rec.steps), out.info, cfg)
+                rec = eqx.tree_at(lambda r: r.steps, rec, steps)
         return (ys, (out.info if self.cfg.info else None), out.t_nodes), rec
 
     def expand(self, y0, ts, pd, pn):

@@ -252,13 +252,32 @@ def test_replayed_steps_are_the_steps_taken(x64, method):
 
 def test_every_step_kept_when_the_record_is_small(x64):
     """`CheckpointAdjoint` keeps every step's start while the record fits in
-    `KEEP_ALL_MAX` numbers over the batch (no replay), else about `sqrt(max_steps)`
-    checkpoints; `checkpoints=` sets their number. The record's shapes show which."""
-    from solvers.ode.loop import KEEP_ALL_MAX, checkpoint_every
+    `KEEP_ALL_MAX` numbers over the batch (no replay), else segments as long as
+    `RECORD_MAX` numbers allow, up to `SEGMENT_STEPS_MAX` steps and never shorter than
+    about `sqrt(max_steps)`; `checkpoints=` sets their number. The record's shapes show
+    which."""
+    from solvers.ode.loop import (
+        KEEP_ALL_MAX,
+        RECORD_MAX,
+        SEGMENT_STEPS_MAX,
+        checkpoint_every,
+    )
+
+    def memory(record, every, numbers, per_checkpoint):  # as `initial_state` allocates
+        return (record // every + 3) * per_checkpoint + (every + 1) * numbers
 
     assert checkpoint_every(4096, 48) == 4104  # above 4096: the overflowing step fits too
-    assert checkpoint_every(4096, KEEP_ALL_MAX // 4096) == 64
-    assert checkpoint_every(1000, 10**6) == 24  # isqrt(1000) = 31, down to a multiple of 8
+    assert checkpoint_every(4096, KEEP_ALL_MAX // 4096) == SEGMENT_STEPS_MAX == 512
+    # The Brusselator line's bdf record at 2048 states: RECORD_MAX bounds the segment.
+    every = checkpoint_every(4096, 20488, 0, 49612)
+    assert every == 376 and memory(4096, every, 20488, 49612) <= RECORD_MAX
+    assert memory(4096, every + 8, 20488, 49612) > RECORD_MAX
+    # Rows far above the budget: the same memory as sqrt(1000) = 31 steps, down to a
+    # multiple of 8, would take (24), in segments of 40 (one checkpoint fewer per 8).
+    assert checkpoint_every(1000, 10**6) == 40
+    assert memory(1000, 40, 10**6, 10**6) <= memory(1000, 24, 10**6, 10**6)
+    # A short record within the budget: one segment.
+    assert checkpoint_every(400, 10**4) == 408
     assert checkpoint_every(100, 48, checkpoints=13) == 8
     assert checkpoint_every(400, 48, checkpoints=25) == 16
     assert checkpoint_every(1000, 48, checkpoints=500) == 2
@@ -271,16 +290,18 @@ def test_every_step_kept_when_the_record_is_small(x64):
 
     def shapes(fn, *args):
         text = str(jax.make_jaxpr(fn)(*args))
-        return {m for m in ("[4104,3]", "[65,3]", "[17,3]", "[8,4104,3]", "[8,65,3]") if m in text}
+        marks = ("[4105,3]", "[513,3]", "[17,3]", "[8,4105,3]", "[8,513,3]")
+        return {m for m in marks if m in text}
 
     def loss(p, adjoint=None):
         return jnp.sum(odeint(f, y0, ts, p, method="bdf", adjoint=adjoint))
 
-    assert shapes(jax.grad(loss), p) == {"[4104,3]"}
+    # The latest states' buffer holds a spare row past the segment.
+    assert shapes(jax.grad(loss), p) == {"[4105,3]"}
     # A batch of 8 would keep 8 x 4105 starts of the state and BDF's carry: too many.
     batch = jnp.stack([p] * 8)
-    assert "[8,65,3]" in shapes(jax.vmap(jax.grad(loss)), batch)
-    assert not {"[4104,3]", "[8,4104,3]"} & shapes(jax.vmap(jax.grad(loss)), batch)
+    assert "[8,513,3]" in shapes(jax.vmap(jax.grad(loss)), batch)
+    assert not {"[4105,3]", "[8,4105,3]"} & shapes(jax.vmap(jax.grad(loss)), batch)
     ten = CheckpointAdjoint(max_steps=100, checkpoints=10)  # every 16 steps
     assert shapes(jax.grad(lambda p: loss(p, ten)), p) == {"[17,3]"}
     with pytest.raises(ValueError, match=r"`checkpoints` must be >= 1"):

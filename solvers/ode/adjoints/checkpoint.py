@@ -36,30 +36,34 @@ class CheckpointAdjoint(AbstractAdjoint):
     cotangent back through each step (one `jax.vjp` of the step). By default `m` is
     more than `max_steps` when the start of every step fits in `KEEP_ALL_MAX` numbers
     (2^20, times the largest `vmap` batch among the inputs: a small system), so nothing
-    is recomputed, and about `sqrt(max_steps)` (rounded down to a multiple of 8)
-    otherwise. For a state of 100
-    entries or more, the steps of a segment are linearised eight at a time in one
-    batch, so their Jacobians and factorisations run batched (on CPU, not when a
-    solver the step's linearisation factors with factors a batch no faster than one
-    matrix after another: a wide band's blocked LU or a long narrow band's
-    partitions, see `AbstractMethod.linearisation_solvers`); and a method whose stage
-    equation is solved by the step's end (BDF's corrector) takes that end from the
-    record instead of iterating again. Outputs inside a step (`interpolate=True`) are
-    linear in the step's stages, so their cotangents join that pull-back. Memory is
-    `O(sqrt(max_steps))` states (`O(max_steps)` when every start is kept) and the
-    linearisations of up to eight steps (for a dense stage solver, eight `n x n`
-    factorisations). Under `vmap` the sweep runs once for
-    the whole batch, with the cotangents of shared parameters summed inside each step;
-    `jacrev` of one solve sends its cotangents through in groups whose copies of a
-    kept-everything record stay within `KEEP_ALL_MAX` numbers. Differentiable once in
-    reverse mode, then to any order in forward mode (`jax.hessian`; each tangent then
-    carries a tangent of the record: with many parameters, `checkpoints=` bounds it).
+    is recomputed. Otherwise `m` is as long as a record of `RECORD_MAX` numbers allows
+    (2^23, 64 MB in double precision), up to `SEGMENT_STEPS_MAX` (512) steps, so that
+    a solve of fewer steps replays none, and never less than about `sqrt(max_steps)`
+    (rounded down to a multiple of 8). For a state of 100 entries or more, the steps
+    of a segment are linearised eight at a time in one batch, so their Jacobians and
+    factorisations run batched (on CPU, not when a solver the step's linearisation
+    factors with factors a batch no faster than one matrix after another: a wide
+    band's blocked LU or a long narrow band's partitions, see
+    `AbstractMethod.linearisation_solvers`); and a method whose stage equation is
+    solved by the step's end (BDF's corrector) takes that end from the record instead
+    of iterating again. Outputs inside a step (`interpolate=True`) are linear in the
+    step's stages, so their cotangents join that pull-back. Memory: the record (at
+    most `RECORD_MAX` numbers, or `O(sqrt(max_steps))` states if that is more;
+    `O(max_steps)` when every start is kept) and the linearisations of up to eight
+    steps (for a dense stage solver, eight `n x n` factorisations). Under `vmap` the
+    sweep runs once for the whole batch, with the cotangents of shared parameters
+    summed inside each step; `jacrev` of one solve sends its cotangents through in
+    groups whose copies of a kept-everything record stay within `KEEP_ALL_MAX` numbers.
+    Differentiable once in reverse mode, then to any order in forward mode
+    (`jax.hessian`; each tangent then carries a tangent of the record: with many
+    parameters, `checkpoints=` bounds it).
 
     Attributes:
         max_steps: the most accepted steps recorded (more is an error naming it).
         checkpoints: at most how many checkpoints the record holds (`m = max_steps /
-            checkpoints`, rounded up, and up to a multiple of 8 above 8): fewer take
-            less memory and recompute more. Default `None`: as above.
+            checkpoints`, rounded up, and up to a multiple of 8 above 8): fewer make
+            longer segments, so fewer steps replayed and a larger buffer of the
+            latest states; more, the reverse. Default `None`: as above.
 
     Example:
         ```python
@@ -91,8 +95,8 @@ class CheckpointAdjoint(AbstractAdjoint):
 
     def _sweep_params(self, solve, states):
         # Steps between checkpoints, as the forward pass chose them (`checkpoint_every`):
-        # the rows of its latest states.
-        return dict(f=solve.f, loop=solve.cfg.loop, every=states[2].shape[-2])
+        # the rows of its latest states but their spare.
+        return dict(f=solve.f, loop=solve.cfg.loop, every=states[2].shape[-2] - 1)
 
     def backward(self, solve, kept, ys, ts, pd, pn, g_ys):
         states, steps = _record_parts(kept)

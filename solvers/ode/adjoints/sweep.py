@@ -1,7 +1,7 @@
 """The backward sweep of `odeint(adjoint="checkpoint")`: the discrete adjoint.
 
 The forward pass (`integrate` with `record`) keeps each accepted step's start
-time and size, the state every `every` steps (about `sqrt(max_steps)`) with the
+time and size, the state every `every` steps (see `loop.checkpoint_every`) with the
 method's carry, the starts of the latest `every` steps with the carry as a replay with
 a known end reads it (`AbstractMethod.replay_carry`), and the solve's end. Every step's
 end is therefore known to the sweep. The sweep walks the segments of `every`
@@ -494,7 +494,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         def replayed():
             y_start = y_cp[:, seg]
             k_start = jax.tree_util.tree_map(lambda cp: cp[:, seg], k_cp)
-            ys = jnp.zeros((size, every, n), y_cp.dtype).at[:, 0].set(y_start)
+            ys = jnp.zeros((size, every + 1, n), y_cp.dtype).at[:, 0].set(y_start)
             k1s = jax.tree_util.tree_map(
                 lambda last, x: jnp.zeros_like(last).at[:, 0].set(x),
                 k_last,
@@ -507,15 +507,18 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             ys, k1s = y_last, k_last
         else:
             # No replay at all (and no field evaluation) when every element kept its
-            # states.
+            # states. An element that kept this segment's states (its last) reads
+            # them from the record row by row (`segment_row`): a select of whole
+            # buffers would be a pass over them.
             ys, k1s = jax.lax.cond(replay > 0, replayed, lambda: (y_last, k_last))
-            ys = select(kept, y_last, ys)
-            k1s = select(kept, k_last, k1s)
 
-        # Each step's end: the next step's start, and for the segment's last step the
-        # next checkpoint slot (for the solve's last step, its end: `loop.write_end`).
+        def segment_row(b, b_last, row):
+            return select(kept, pick_row(b_last, row), pick_row(b, row))
+
+        # Each step's end: the next step's start (a row of `ys`, whose last row is a
+        # spare), and for the segment's last step the next checkpoint slot (for the
+        # solve's last step, its end: `loop.write_end`).
         after_last = y_cp[:, jnp.minimum(seg + 1, y_cp.shape[1] - 1)]
-        ends = jnp.concatenate([ys[:, 1:], after_last[:, None]], axis=1)
 
         def linearize_chunk(j0):
             # The pull-backs of steps `j0 .. j0 + chunk - 1`, linearised together: each
@@ -537,14 +540,16 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
                 def at(b, b_last, b_cp):
                     return select(
-                        here, pick_row(b, row), select(took, pick_row(b_last, slot), b_cp[:, 0])
+                        here,
+                        segment_row(b, b_last, row),
+                        select(took, pick_row(b_last, slot), b_cp[:, 0]),
                     )
 
                 y = at(ys, y_last, y_cp)
                 k1 = jax.tree_util.tree_map(at, k1s, k_last, k_cp_kept)
                 # The end of the step taken: of an element's last step in this segment,
                 # the segment's end; of its very last step, the solve's end.
-                y1 = select(row + 1 < m, pick_row(ends, row), after_last)
+                y1 = select(row + 1 < m, segment_row(ys, y_last, row + 1), after_last)
                 y1 = select(here, y1, pick_row(y_cp, last_end))
                 k = jnp.minimum(jnp.where(here, k0 + row, last), cap - 1)[:, None]
                 t = jnp.take_along_axis(rec_t, k, 1)[:, 0]
