@@ -86,7 +86,7 @@ class Record(eqx.Module):
     each output lies, and the number of steps.
 
     Attributes:
-        buffers: the `RecordBuffers` (with `y_last`, `k_last` trimmed to `every` rows).
+        buffers: the `RecordBuffers` (`y_last` and `k_last` with their spare row).
         out_step: for each output row, the accepted-step count at which it was reached
             (it lies in step `out_step - 1`).
         out_theta: where in that step, as a fraction of it (1 at its end).

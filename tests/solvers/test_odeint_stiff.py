@@ -546,6 +546,34 @@ def test_jacrev_over_many_outputs_groups_its_cotangents(x64):
     np.testing.assert_allclose(jax.jacrev(solve)(p) / scale, forward / scale, atol=1e-7)
 
 
+@pytest.mark.slow
+def test_jacrev_groups_its_cotangents_over_a_record_with_checkpoints(x64):
+    """The same grouping for a record that keeps checkpoints and segments (not every
+    step's start): 8 segments of 8192 steps of ROBER's state and BDF's carry are far
+    more than `KEEP_ALL_MAX` numbers for 33 copies, so the cotangents go through a few
+    at a time; the Jacobian matches `jacfwd`."""
+    from solvers.ode import CheckpointAdjoint
+    from solvers.ode.loop import KEEP_ALL_MAX
+
+    prob = PROBLEMS["rober"]
+    p, y0 = _point("rober")
+    f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
+    ts = jnp.concatenate([jnp.zeros(1), jnp.logspace(-5, 3, 32)])
+    adjoint = CheckpointAdjoint(max_steps=65536, checkpoints=8)
+
+    def solve(p):
+        return odeint(f, y0, ts, p, method="bdf", rtol=1e-8, atol=1e-10, adjoint=adjoint)
+
+    closed = jax.make_jaxpr(jax.jacrev(solve))(p)
+    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    numbers = sum(v.aval.size for v in scan.invars if v.aval.ndim >= 2)
+    group = -(-33 // scan.params["length"])
+    assert scan.params["length"] > 1 and group * numbers <= 2 * KEEP_ALL_MAX
+    forward = jax.jacfwd(solve)(p)
+    scale = np.max(np.abs(forward), axis=(0, 1))
+    np.testing.assert_allclose(jax.jacrev(solve)(p) / scale, forward / scale, atol=1e-7)
+
+
 @pytest.mark.parametrize(("checkpoints", "t_end"), [(None, 3.0), (4, 3.0), (1, 0.1)])
 def test_gradient_when_the_last_step_overflows_the_record(x64, checkpoints, t_end):
     """With `throw=False`, a solve whose last step is one more than `max_steps` ends

@@ -157,14 +157,13 @@ class CheckpointSweep(_Sweep):
         size = axis_data.size
         first = lambda x, d: batch_first(x, d, size)  # noqa: E731
         pd = jax.tree_util.tree_map(first, pd, d_pd)
-        # The batched sweep takes a copy of the record per element. A record that kept
-        # every step's start, shared by the whole batch (one solve, many cotangents),
-        # is copied to at most `KEEP_ALL_MAX` numbers at a time: the cotangents go
-        # through in groups, one after the other.
-        kept_all = keeps_every_start(self.every, rec[0].shape[-1])
+        # The batched sweep takes a copy of the record per element. A record shared by
+        # the whole batch (one solve, many cotangents) is copied to at most
+        # `KEEP_ALL_MAX` numbers at a time: the cotangents go through in groups, one
+        # after the other.
         numbers = sum(x.size for x in jax.tree_util.tree_leaves(y_cp))
         group = max(1, KEEP_ALL_MAX // max(numbers, 1))
-        if kept_all and not jax.tree_util.tree_leaves((d_cp, d_rec)) and size > group:
+        if not jax.tree_util.tree_leaves((d_cp, d_rec)) and size > group:
             params = dict(f=self.f, loop=self.loop, every=self.every, per_element=self.per_element)
 
             def one(xs):
