@@ -120,9 +120,10 @@ def checkpoint_every(
     so that even the step that overflows the record keeps its start: one segment) when
     that fits in `KEEP_ALL_MAX`; else the longest segments (a multiple of
     `LINEARIZE_CHUNK`, at most `SEGMENT_STEPS_MAX`) whose record, the checkpoints and
-    one segment, fits in `RECORD_MAX` numbers, and never shorter than about
-    `sqrt(record)` (rounded down to a multiple of `LINEARIZE_CHUNK` once it is that
-    large), where both hold that many."""
+    one segment, fits in `RECORD_MAX` numbers, or in the record of the shortest
+    segments allowed if that is larger: about `sqrt(record)` steps (rounded down to a
+    multiple of `LINEARIZE_CHUNK` once it is that large), the number of checkpoints
+    too."""
     record = max(record, 1)
 
     def up(every):
@@ -145,18 +146,13 @@ def checkpoint_every(
     budget = max(RECORD_MAX, memory(every))
     if whole <= SEGMENT_STEPS_MAX and memory(whole) <= budget:
         return whole
-    # `memory` falls and then rises with the segment's length: the longest within the
-    # budget lies on the rising side, found by bisection over the multiples of the
-    # chunk between its minimum (or `every`) and `SEGMENT_STEPS_MAX`.
-    chunk = LINEARIZE_CHUNK
-    lowest = max(every, math.isqrt(record * per_checkpoint // numbers))
-    lo, hi = -(-lowest // chunk), min(whole, SEGMENT_STEPS_MAX) // chunk + 1
-    if lo >= hi or memory(lo * chunk) > budget:
-        return every
-    while hi - lo > 1:  # memory(lo * chunk) fits; hi is past the last that may
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if memory(mid * chunk) <= budget else (lo, mid)
-    return max(every, lo * chunk)
+    # The longest multiple of the chunk, up to `SEGMENT_STEPS_MAX`, within the budget
+    # (at most 64 lengths to try; `memory` is not monotone in the length).
+    longest = every
+    for e in range(LINEARIZE_CHUNK, min(whole, SEGMENT_STEPS_MAX) + 1, LINEARIZE_CHUNK):
+        if e > longest and memory(e) <= budget:
+            longest = e
+    return longest
 
 
 def keeps_every_start(every: int, slots: int) -> bool:

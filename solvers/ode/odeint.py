@@ -118,9 +118,9 @@ def odeint(
         max_steps: with `dense=True`, the most steps kept; with the name
             `adjoint="checkpoint"`, also the most steps recorded (as
             `CheckpointAdjoint(max_steps=max_steps)`, which sets the memory: every
-            step's start for a small system, else checkpoints of the state and
-            segments of up to 512 steps between them, within 2^23 numbers and never
-            fewer than about `sqrt(max_steps)`).
+            step's start for a small system, else checkpoints of the state every
+            `m` steps and the latest `m` steps' starts, `m` up to 512 within 2^23
+            numbers and at least about `sqrt(max_steps)`).
         throw: raise at run time when the solve fails (`mxstep` exceeded, non-finite
             state, step size underflow) or its gradient cannot be trusted; with
             `throw=False` (which needs `return_info=True`) the status is in the info,

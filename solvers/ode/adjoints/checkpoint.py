@@ -47,16 +47,18 @@ class CheckpointAdjoint(AbstractAdjoint):
     `AbstractMethod.linearisation_solvers`); and a method whose stage equation is
     solved by the step's end (BDF's corrector) takes that end from the record instead
     of iterating again. Outputs inside a step (`interpolate=True`) are linear in the
-    step's stages, so their cotangents join that pull-back. Memory: the record (at
-    most `RECORD_MAX` numbers, or `O(sqrt(max_steps))` states if that is more;
-    `O(max_steps)` when every start is kept) and the linearisations of up to eight
-    steps (for a dense stage solver, eight `n x n` factorisations). Under `vmap` the
-    sweep runs once for the whole batch, with the cotangents of shared parameters
-    summed inside each step; `jacrev` of one solve sends its cotangents through in
-    groups whose copies of a kept-everything record stay within `KEEP_ALL_MAX` numbers.
-    Differentiable once in reverse mode, then to any order in forward mode
-    (`jax.hessian`; each tangent then carries a tangent of the record: with many
-    parameters, `checkpoints=` bounds it).
+    step's stages, so their cotangents join that pull-back. Memory: the record's step
+    times and sizes (`2 max_steps`), its states and carries (at most `RECORD_MAX`
+    numbers over the batch, or those of `sqrt(max_steps)` checkpoints and as many
+    latest steps if that is more; `O(max_steps)` when every start is kept) and the
+    linearisations of up to eight steps (for a dense stage solver, eight `n x n`
+    factorisations). Under `vmap` the sweep runs once for the whole batch, with the
+    cotangents of shared parameters summed inside each step; `jacrev` of one solve
+    sends its cotangents through in groups whose copies of the record stay within
+    `KEEP_ALL_MAX` numbers (one at a time if one copy is larger). Differentiable once
+    in reverse mode, then to any order in forward mode (`jax.hessian`; each tangent
+    then carries a tangent of the record: with many parameters, `checkpoints=` bounds
+    it).
 
     Attributes:
         max_steps: the most accepted steps recorded (more is an error naming it).

@@ -158,9 +158,9 @@ class CheckpointSweep(_Sweep):
         first = lambda x, d: batch_first(x, d, size)  # noqa: E731
         pd = jax.tree_util.tree_map(first, pd, d_pd)
         # The batched sweep takes a copy of the record per element. A record shared by
-        # the whole batch (one solve, many cotangents) is copied to at most
-        # `KEEP_ALL_MAX` numbers at a time: the cotangents go through in groups, one
-        # after the other.
+        # the whole batch (one solve, many cotangents) is copied a group of elements
+        # at a time, of at most `KEEP_ALL_MAX` numbers (one element if its record alone
+        # is larger): the cotangents go through in groups, one after the other.
         numbers = sum(x.size for x in jax.tree_util.tree_leaves(y_cp))
         group = max(1, KEEP_ALL_MAX // max(numbers, 1))
         if not jax.tree_util.tree_leaves((d_cp, d_rec)) and size > group:
@@ -467,8 +467,8 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         k0 = seg * every
         m = jnp.clip(steps - k0, 0, every)  # each element's steps in this segment
         # Only as many steps as the longest element has here, not a whole segment: a
-        # short solve (a few dozen steps against `every` of about `sqrt(max_steps)`) replays
-        # just its own steps.
+        # short solve (a few dozen steps against an `every` of hundreds) replays just
+        # its own steps.
         m_max = max_over_batch(jnp.max(m))
         # The last segment's states were kept by the forward pass; the others are
         # replayed from their checkpoint.
