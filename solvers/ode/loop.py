@@ -39,8 +39,9 @@ from .state import RecordBuffers, StepState
 
 __all__ = [
     "KEEP_ALL_MAX",
-    "RECORD_MAX",
     "LINEARIZE_CHUNK",
+    "RECORD_MAX",
+    "SEGMENT_STEPS_MAX",
     "LoopConfig",
     "Taken",
     "attempt",
