@@ -47,6 +47,7 @@ __all__ = [
     "attempt",
     "carrier",
     "checkpoint_every",
+    "checkpoint_slots",
     "end_slot",
     "keeps_every_start",
     "record_block",
@@ -109,6 +110,12 @@ RECORD_MAX = 2**23
 SEGMENT_STEPS_MAX = 512
 
 
+def checkpoint_slots(record: int, every: int) -> int:
+    """The checkpoint slots of a record of `record` steps with a checkpoint every
+    `every` steps: one per segment, the solve's end (`write_end`) and a spare."""
+    return record // every + 3
+
+
 def checkpoint_every(
     record: int, numbers: int = 0, checkpoints: int = 0, checkpoint_numbers: int = 0
 ) -> int:
@@ -141,8 +148,8 @@ def checkpoint_every(
         return every
     per_checkpoint = checkpoint_numbers or numbers
 
-    def memory(e):  # as `initial_state` allocates the record (record // e + 3 checkpoints)
-        return (record // e + 3) * per_checkpoint + (e + 1) * numbers
+    def memory(e):  # as `initial_state` allocates the record
+        return checkpoint_slots(record, e) * per_checkpoint + (e + 1) * numbers
 
     budget = max(RECORD_MAX, memory(every))
     if whole <= SEGMENT_STEPS_MAX and memory(whole) <= budget:
@@ -450,7 +457,7 @@ def initial_state(
         every = checkpoint_every(
             cfg.record, per_step * batch, cfg.checkpoints, per_checkpoint * batch
         )
-        n_cp = cfg.record // every + 3  # the last one is a spare
+        n_cp = checkpoint_slots(cfg.record, every)
         slots = lambda m: lambda x: jnp.zeros((m,) + jnp.shape(x), jnp.result_type(x))  # noqa: E731
         rec = RecordBuffers(
             t=jnp.zeros((cfg.record + 1,), tdt),  # the last one is a spare
