@@ -111,6 +111,27 @@ def test_user_jacobian_replaces_autodiff_in_y(x64):
     assert 1e-11 * scale < np.abs(wrong - auto).max() < 1e-3 * scale
 
 
+def test_radau5_field_through_a_callback_with_a_vmap_method(x64):
+    """radau5 evaluates its stages as one `vmap`ped call of `func`: a field computed
+    outside JAX (`jax.pure_callback`, with `jac` for its Jacobian) works when the
+    callback says how to batch, and agrees with the same field written in JAX."""
+    prob = PROBLEMS["rober"]
+    ts = jnp.array([0.0, 1.0, 100.0])
+    p, y0 = _point("rober")
+
+    def host(y, t, p):
+        return np.asarray(prob["f"](np.asarray(y), t, np.asarray(p), np), y.dtype)
+
+    def f(y, t, p):
+        shape = jax.ShapeDtypeStruct(y.shape, y.dtype)
+        return jax.pure_callback(host, shape, y, t, p, vmap_method="sequential")
+
+    kw = dict(method="radau5", rtol=1e-6, atol=1e-10, jac=rober_jac)
+    got = np.asarray(odeint(f, y0, ts, p, **kw))
+    want = np.asarray(odeint(lambda y, t, p: prob["f"](y, t, p, jnp), y0, ts, p, **kw))
+    assert np.abs(got - want).max() < 1e-12 * np.abs(want).max()
+
+
 @pytest.mark.slow
 def test_user_jacobian_pytree_state_and_every_mode(x64):
     """A dict state, the Jacobian on the flattened state; grad, jacfwd, hessian and vmap

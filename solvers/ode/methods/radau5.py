@@ -407,7 +407,7 @@ class Radau5(AbstractMethod):
 
         # The three stages' fields as one batched evaluation: the field appears once
         # in the program wherever the stages are evaluated, differentiated or
-        # transposed, not three times (on POLLU, a quarter less to compile for
+        # transposed, not three times (on POLLU, about a fifth less to compile for
         # `jit(grad)`, and no slower to run).
         stage_field = jax.vmap(f, in_axes=(1, 0, None), out_axes=1)
         stage_times = t + jnp.asarray(C, dt) * h
