@@ -17,7 +17,7 @@ from jax.flatten_util import ravel_pytree
 from implicitdiff import custom_jvp
 
 from ._small import small_product
-from .methods import combine_carry, partition_carry
+from .methods import StepEnd, combine_carry, partition_carry
 
 __all__ = ["FlatField", "TangentField", "AdjointField"]
 
@@ -108,9 +108,9 @@ class TangentField:
 
     def step(self, method, z, kz, t, h, params, tol, end=None):
         """One step of the pair: the primal step and its derivative. With `end` (the
-        pair's end `z1`, from the checkpointed adjoint's replay), the primal step takes
-        `z1[:n]` as its end (`AbstractMethod.replay_step`); its tangent is computed
-        again."""
+        pair's end, from the checkpointed adjoint's replay: `z1` and the carry), the
+        primal step takes their primal halves as its end (`AbstractMethod.replay_step`);
+        its tangent is computed again."""
         n, k = self.n, self.n_pd
         pd, pn = params
         f = self.f
@@ -124,7 +124,10 @@ class TangentField:
             if end is None:
                 out = method.step_with_stages(field, y, carry, t, h, (p,), tol=base_tol)
             else:
-                primal_end = jax.lax.stop_gradient(end[:n])
+                end_values, end_memory = partition_carry(end.carry)
+                primal_end = jax.lax.stop_gradient(
+                    StepEnd(end.y[:n], combine_carry(_halves(end_values, n, 0), end_memory))
+                )
                 out = method.replay_step(field, y, carry, t, h, (p,), primal_end, tol=base_tol)
             y1, err, k_next, ok, ks = out
             values, memory1 = partition_carry(k_next)

@@ -191,8 +191,8 @@ def stepper(field, method: AbstractMethod):
     """One step of `method` on `field` (called `field(y, t, *params)`):
     `step(y, carry, t, h, params, tol, end=None) -> (y1, y_error, carry1, ok,
     stages)`, with `carry` the method's (see `solvers.ode.methods`). The adjoint's
-    replay of a recorded step passes its end `end`, the solve's `y1` (see
-    `AbstractMethod.replay_step`).
+    replay of a recorded step passes its end `end`, the solve's `y1` and carry (a
+    `StepEnd`, see `AbstractMethod.replay_step`).
 
     A field may define its own `step(method, y, carry, t, h, params, tol, end=None)`:
     the forward sensitivities' field steps as the derivative of the step it
@@ -401,12 +401,14 @@ def end_slot(steps, every: int, slots: int):
 
 
 def write_end(rec: RecordBuffers, state: StepState) -> RecordBuffers:
-    """The record with the solve's end, where its last step ended, in `end_slot`: with
-    every step's start kept or not, the sweep reads each step's end there or from the
-    next step's start, and replays no corrector (see `AbstractMethod.replay_step`)."""
+    """The record with the solve's end (its state and carry), where its last step
+    ended, in `end_slot`: with every step's start kept or not, the sweep reads each
+    step's end there or from the next step's start, and replays no corrector (see
+    `AbstractMethod.replay_step`)."""
     every = rec.y_last.shape[0] - 1  # (see `initial_state`)
     slot = end_slot(state.acc, every, rec.y_cp.shape[0])
-    return dataclasses.replace(rec, y_cp=rec.y_cp.at[slot].set(state.y))
+    k_cp = jax.tree_util.tree_map(lambda b, x: b.at[slot].set(x), rec.k_cp, state.k)
+    return dataclasses.replace(rec, y_cp=rec.y_cp.at[slot].set(state.y), k_cp=k_cp)
 
 
 def initial_state(

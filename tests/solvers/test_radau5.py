@@ -14,7 +14,7 @@ from implicitdiff import linear_solve
 from solvers import odeint
 from solvers.ode import CheckpointAdjoint
 from solvers.ode.adjoints import sweep
-from solvers.ode.methods import Radau5, StageTolerance, _reuse, radau5
+from solvers.ode.methods import Radau5, StageTolerance, StepEnd, _reuse, radau5
 
 from .stiff_problems import PROBLEMS, batch_script
 from .test_odeint_stiff import REFS, _loss, _point, _rel
@@ -130,6 +130,49 @@ def test_a_step_starts_from_the_last_steps_polynomial(x64, monkeypatch):
     assert iterations[0] == iterations[1], iterations
     assert np.all(starts[0] == 0)
     np.testing.assert_array_equal(y3, y3_fresh)
+
+
+def test_replay_takes_the_stages_from_the_steps_end(x64, monkeypatch):
+    """`replay_step` reads the step's stages from the carry it handed on: no
+    iteration and no factorisation, and the same step, carry values and pull-back
+    (the implicit derivative at the same stages) as the step that iterated, to the
+    last bit. The stages are taken as given, not recomputed."""
+    prob = PROBLEMS["rober"]
+    f = lambda y, t, params: prob["f"](y, t, params[0], jnp)  # noqa: E731
+    p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
+    m = Radau5()
+    carry = m.initial_carry(y0, f(y0, 0.0, (p,)))
+    for _ in range(3):  # a few steps, so the iteration starts from a polynomial
+        y0, _, carry, ok = m.step(f, y0, carry, 0.0, 1e-3, (p,))
+        assert ok
+    h = 3e-3
+    y1, _, carry1, _ = m.step(f, y0, carry, 0.0, h, (p,))
+    end = StepEnd(y1, m.replay_carry(carry1))
+
+    def run(y, p, end):
+        if end is None:
+            out = m.step_with_stages(f, y, carry, 0.0, h, (p,))
+        else:
+            out = m.replay_step(f, y, m.replay_carry(carry), 0.0, h, (p,), end)
+        return out[0], out[2].k, out[4]
+
+    plain, pullback = jax.vjp(lambda y, p: run(y, p, None), y0, p)
+    cts = jax.tree_util.tree_map(
+        lambda x: jnp.cos(jnp.arange(x.size) + 0.3).reshape(x.shape), plain
+    )
+    calls = []
+    monkeypatch.setattr(radau5, "simplified_newton", lambda *a, **k: calls.append(1))
+    got, pullback_known = jax.vjp(lambda y, p: run(y, p, end), y0, p)
+    assert not calls
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(plain)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(pullback_known(cts), pullback(cts)):
+        np.testing.assert_array_equal(a, b)
+    z, _ = carry1.start.unpack(3)
+    other = StepEnd(y1, m.replay_carry(carry1).__class__(
+        k=carry1.k, memory=None, start=radau5.StageStart.pack(2 * z, h)
+    ))  # fmt: skip
+    np.testing.assert_array_equal(run(y0, p, other)[0], y0 + 2 * z[:, 2])
 
 
 def test_stiff_component_decays_in_one_step(x64):

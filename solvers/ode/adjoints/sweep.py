@@ -25,10 +25,10 @@ linearisation factors with (`AbstractMethod.linearisation_solvers`: the stage so
 and for radau5 its coupled stages too) is no faster in a batch on CPU
 (`LinearSolver.factors_in_batches_at`: a wide band's blocked LU, a long narrow band's
 partitions), the steps are linearised one at a time there (`chunk_size`).
-The replay knows each step's end (the next step's start, the next checkpoint, or for
-the last step the solve's end, `loop.write_end`) and hands it to the method
-(`AbstractMethod.replay_step`): BDF takes it as its corrector's solution instead of
-iterating again.
+The replay knows each step's end, its state and carry (the next step's start, the
+next checkpoint, or for the last step the solve's end, `loop.write_end`), and hands it
+to the method (`AbstractMethod.replay_step`): BDF takes the state as its corrector's
+solution, Radau5 the stages its carry holds, instead of iterating again.
 
 A small solve that kept every step's start reads its record a block of steps at a
 time (`solvers.ode.blocks`): the loop over a block's steps then touches small copies
@@ -77,7 +77,7 @@ from ..loop import (
     record_block,
     stepper,
 )
-from ..methods import combine_carry, partition_carry, select
+from ..methods import StepEnd, combine_carry, partition_carry, select
 from ..outputs import output_window
 
 __all__ = ["CheckpointSweep", "batch_first", "batched_sweep", "shared_or_first"]
@@ -331,6 +331,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     # and the checkpoint slot holding each element's end (`loop.write_end`).
     k_cp_kept = method.replay_carry(k_cp)
     last_end = end_slot(steps, every, y_cp.shape[1])
+    solve_end = (
+        pick_row(y_cp, last_end),
+        jax.tree_util.tree_map(lambda b: pick_row(b, last_end), k_cp_kept),
+    )
 
     def step_at(k):
         # Step `k`'s start time and size, per element (the same `k` for all of them).
@@ -517,7 +521,11 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         # Each step's end: the next step's start (a row of `ys`, whose last row is a
         # spare), and for the segment's last step the next checkpoint slot (for the
         # solve's last step, its end: `loop.write_end`).
-        after_last = y_cp[:, jnp.minimum(seg + 1, y_cp.shape[1] - 1)]
+        after_slot = jnp.minimum(seg + 1, y_cp.shape[1] - 1)
+        after_last = (
+            y_cp[:, after_slot],
+            jax.tree_util.tree_map(lambda b: b[:, after_slot], k_cp_kept),
+        )
 
         def linearize_chunk(j0):
             # The pull-backs of steps `j0 .. j0 + chunk - 1`, linearised together: each
@@ -546,14 +554,21 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
 
                 y = at(ys, y_last, y_cp)
                 k1 = jax.tree_util.tree_map(at, k1s, k_last, k_cp_kept)
-                # The end of the step taken: of an element's last step in this segment,
-                # the segment's end; of its very last step, the solve's end.
-                y1 = select(row + 1 < m, segment_row(ys, y_last, row + 1), after_last)
-                y1 = select(here, y1, pick_row(y_cp, last_end))
+                # The end of the step taken (its state and carry): of an element's last
+                # step in this segment, the segment's end; of its very last step, the
+                # solve's end.
+                next_row = (
+                    segment_row(ys, y_last, row + 1),
+                    jax.tree_util.tree_map(
+                        lambda b, b_last: segment_row(b, b_last, row + 1), k1s, k_last
+                    ),
+                )
+                end = select(row + 1 < m, next_row, after_last)
+                end = StepEnd(*select(here, end, solve_end))
                 k = jnp.minimum(jnp.where(here, k0 + row, last), cap - 1)[:, None]
                 t = jnp.take_along_axis(rec_t, k, 1)[:, 0]
                 h = jnp.take_along_axis(rec_h, k, 1)[:, 0]
-                pullback = linearize_step(t, h, y, k1, y1, ~active)
+                pullback = linearize_step(t, h, y, k1, end, ~active)
                 leaves, treedef = jax.tree_util.tree_flatten(pullback)
                 # Only JAX arrays cross the `vmap`; anything else in the pull-back (a
                 # marker object, a NumPy constant) is the same for every step and is
@@ -597,7 +612,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             last = jnp.maximum(m[0] - 1, 0)
             idx = jnp.minimum(j0 + jnp.arange(block), last)  # rows a step was taken from
             starts = BlockRows.rows(ys[0], idx)
-            ends = BlockRows.rows(ys[0], jnp.minimum(idx + 1, every - 1))
+            next_rows = jnp.minimum(idx + 1, every - 1)
+            ends = BlockRows.rows(ys[0], next_rows)
+            k_end_rows = jax.tree_util.tree_map(lambda b: BlockRows.rows(b[0], next_rows), k1s)
             k1_rows = jax.tree_util.tree_map(lambda b: BlockRows.rows(b[0], idx), k1s)
             cols = jnp.minimum(k0 + idx, cap - 1)
             t_rows, h_rows = rec_t[:, cols], rec_h[:, cols]
@@ -623,7 +640,8 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 k1 = jax.tree_util.tree_map(get, k1_rows, is_leaf=is_rows)
                 k1 = select(took, k1, jax.tree_util.tree_map(lambda b: b[:, 0], k_cp_kept))
                 # (The last step's end is the solve's: see `linearize_chunk`.)
-                end = select(idx[r] + 1 < m, get(ends), pick_row(y_cp, last_end))
+                next_end = (get(ends), jax.tree_util.tree_map(get, k_end_rows, is_leaf=is_rows))
+                end = StepEnd(*select(idx[r] + 1 < m, next_end, solve_end))
                 t, h = t_rows[:, r], h_rows[:, r]
                 pullback = linearize_step(t, h, y, k1, end, ~active)
                 moments = None if moment_rows is None else get(moment_rows)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -48,6 +48,7 @@ __all__ = [
     "ButcherTableau",
     "Memory",
     "StageTolerance",
+    "StepEnd",
     "after",
     "combine_carry",
     "factor_shapes",
@@ -58,6 +59,20 @@ __all__ = [
     "partition_carry",
     "select",
 ]
+
+
+class StepEnd(NamedTuple):
+    """A recorded step's end, as the checkpointed adjoint's replay knows it (see
+    `AbstractMethod.replay_step`).
+
+    Attributes:
+        y: the `y1` the solve computed.
+        carry: the carry the step handed on, as the record keeps carries
+            (`AbstractMethod.replay_carry`).
+    """
+
+    y: Any
+    carry: Any
 
 
 def lower_triangle(rows, size: int, dtype) -> jax.Array:
@@ -289,20 +304,24 @@ class AbstractMethod(abc.ABC):
     def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
         """One step from `(t, y)` of size `h`: `(y1, y_error, k1_next, ok, stages)`."""
 
-    def replay_step(self, f, y, carry, t, h, params, end, *, tol=None):
+    def replay_step(self, f, y, carry, t, h, params, end: StepEnd, *, tol=None):
         """`step_with_stages` again for the checkpointed adjoint, which knows the step's
-        end: `end` is the `y1` the solve computed. By default the step is recomputed. A
-        method whose stage equation has `y1` itself as its solution (BDF's corrector)
-        takes it instead of iterating again: the derivative is the same implicit one,
-        taken at `y1`."""
+        end (`end`: the `y1` the solve computed, and the carry it handed on). By
+        default the step is recomputed. A method whose stage equation has a solution
+        the end holds takes it instead of iterating again, and the derivative is the
+        same implicit one, taken at the same point: BDF's corrector has `y1` itself,
+        Radau IIA's stages are in the carry (`radau5.StageStart`). Only the step's
+        `y1`, carry values and stages are read from a replay: its error estimate and
+        `ok` need not be computed."""
         del end
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol)
 
     def replay_carry(self, carry):
-        """The part of `carry` that `replay_step` reads: the checkpointed adjoint records
-        every step's carry in this form (the carries it replays steps from, at its
-        checkpoints, whole). By default all of it; BDF leaves out the factorisation it
-        may reuse, which a replay never iterates with."""
+        """The part of `carry` that `replay_step` reads, as the start of a step and as
+        its end: the checkpointed adjoint records every step's carry in this form (the
+        carries it replays steps from, at its checkpoints, whole). By default all of
+        it; BDF and Radau5 leave out the factorisation they may reuse, which a replay
+        never iterates with."""
         return carry
 
     def step(self, f, y, carry, t, h, params, *, tol=None):

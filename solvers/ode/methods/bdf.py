@@ -357,7 +357,7 @@ class BDF(AbstractMethod):
         return dataclasses.replace(carry, memory=dataclasses.replace(carry.memory, factors=None))
 
     def replay_step(self, f, y, carry: BDFCarry, t, h, params, end, *, tol=None):
-        return self.step_with_stages(f, y, carry, t, h, params, tol=tol, end=end)
+        return self.step_with_stages(f, y, carry, t, h, params, tol=tol, end=end.y)
 
     def step_with_stages(self, f, y, carry: BDFCarry, t, h, params, *, tol=None, end=None):
         tol = tol or StageTolerance()

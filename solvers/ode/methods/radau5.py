@@ -30,7 +30,11 @@ iterations stopped after one correction, and HIRES ran 1.45x slower.
 The stage equations go through `implicitdiff.custom_root`: differentiating a step
 (the checkpointed adjoint, forward sensitivities) uses the implicit function theorem
 on the `3 n` collocation equations, with the same linear solver for `3` coupled
-copies of the unknowns (`LinearSolver.coupled`), never the Newton iterations.
+copies of the unknowns (`LinearSolver.coupled`), never the Newton iterations. The
+carry a step hands on holds its stages (`StageStart`), so the checkpointed adjoint's
+replay of a recorded step, which knows that carry, takes them as the solution
+(`replay_step`): it neither iterates nor factors the real and complex systems nor
+estimates the error, and its derivative is the same, to the last bit.
 
 The error estimate is Hairer's: `(gamma / h - J)^-1 (f(y) + h^-1 sum_i e_i Z_i)`,
 an embedded solution of order 3 filtered by the real iteration matrix so that it
@@ -59,6 +63,7 @@ from ._base import (
     AbstractMethod,
     Memory,
     StageTolerance,
+    StepEnd,
     after,
     factor_shapes,
     jacobian_product,
@@ -332,9 +337,9 @@ class Radau5(AbstractMethod):
         return 1
 
     def linearisation_solvers(self, n: int) -> tuple[tuple[LinearSolver, int], ...]:
-        # A replayed step iterates with the stage solver (its real and complex
-        # systems); its derivative solves the three collocation equations coupled.
-        return ((self.linear_solver, n), (self.linear_solver.coupled(3), 3 * n))
+        # A replayed step takes its stages as given (`replay_step`) and factors
+        # nothing else: its derivative solves the three collocation equations coupled.
+        return ((self.linear_solver.coupled(3), 3 * n),)
 
     @property
     def factorisations_per_step(self) -> int:
@@ -377,7 +382,23 @@ class Radau5(AbstractMethod):
             return h_new
         return _reuse.hold(h_new, h_step, accept, carry1.memory)
 
-    def step_with_stages(self, f, y, carry: Radau5Carry, t, h, params, *, tol=None):
+    def replay_carry(self, carry: Radau5Carry) -> Radau5Carry:
+        # A replay takes its stages from its end (`replay_step`): it never iterates, so
+        # the factors a step may reuse are not read, and not recorded.
+        return dataclasses.replace(carry, memory=None)
+
+    def replay_step(self, f, y, carry: Radau5Carry, t, h, params, end: StepEnd, *, tol=None):
+        # The step's stages are in the carry it handed on (`StageStart`), exactly as its
+        # iteration left them: the replay takes them as the solution of the collocation
+        # equations, whose derivative is the same implicit one, taken at the same point.
+        stages, _ = end.carry.start.unpack(y.shape[0])
+        return self.step_with_stages(f, y, carry, t, h, params, tol=tol, stages=stages)
+
+    def step_with_stages(self, f, y, carry: Radau5Carry, t, h, params, *, tol=None, stages=None):
+        """One step (see `AbstractMethod.step_with_stages`). With `stages`, the stage
+        increments `Z` of a replayed step (`replay_step`): no iteration, no
+        factorisation, a zero error estimate, and the carry's factors handed on as
+        they came."""
         tol = tol or StageTolerance()
         n, dt = y.shape[0], y.dtype
         h = jnp.asarray(h, dt)
@@ -400,7 +421,9 @@ class Radau5(AbstractMethod):
         def fresh():
             return systems.prepare(jacobian_product(f, y_c, t, p_c), shift_real, shift_re, shift_im)
 
-        if memory is None:
+        if stages is not None:
+            prepared = work = None
+        elif memory is None:
             prepared, work = fresh(), None
         else:
             prepared, work = _reuse.prepare_or_reuse(memory, h, fresh)
@@ -450,14 +473,23 @@ class Radau5(AbstractMethod):
         ratio = jnp.where(known, h / jnp.where(known, h_last, 1), 0)
         extrapolate = (ratio != 0) & (jnp.abs(ratio) <= START_RATIO_MAX)
         z0 = stat(jnp.where(extrapolate, extrapolated_start(z_last, ratio), 0))
+        if stages is not None:
+
+            def newton(res, z0):  # noqa: F811 - a replay's solution is given
+                del res, z0
+                return stat(stages), (jnp.ones((), bool), jnp.zeros((), dt))
+
         z, (ok, theta) = custom_root(
             residual, z0, newton, self.linear_solver.coupled(3), has_aux=True
         )
         y1 = y + z[:, 2]
         k_next = f(y1, t + h, params)
-        err = self._error(f, y_c, t, p_c, stat((k1, z)), inv_h, systems, prepared, tol)
+        if stages is None:
+            err = self._error(f, y_c, t, p_c, stat((k1, z)), inv_h, systems, prepared, tol)
+        else:
+            err = jnp.zeros_like(y)
         ks = [z[:, i] * inv_h for i in range(3)]
-        if memory is not None:
+        if memory is not None and stages is None:
             memory = _reuse.FactorMemory(
                 factors=prepared, h=stat(h), theta=stat(theta).astype(memory.theta.dtype),
                 work=work,
