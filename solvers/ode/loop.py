@@ -105,8 +105,8 @@ RECORD_MAX = 2**23
 #: than a solve's steps only cost. Measured on CPU with `max_steps=4096`: segments of
 #: 512 steps against the 64 of `sqrt(max_steps)` make the gradient 15 to 33% faster on
 #: the Brusselator (line of 64, 256 and 1024 points; 16 x 16 grid) and 64 and 1000
-#: copies of ROBER (bdf and rodas5p), and `radau5` on the 64-point line, which keeps
-#: its factors in every row, as fast; segments of 3000 steps make that one 2x slower.
+#: copies of ROBER (bdf and rodas5p), and `radau5` on the 64-point line, whose rows
+#: then held its factors too, as fast; segments of 3000 steps made that one 2x slower.
 SEGMENT_STEPS_MAX = 512
 
 

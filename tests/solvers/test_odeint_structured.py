@@ -415,7 +415,7 @@ def test_chunk_size_follows_the_stage_solver(monkeypatch):
     """The adjoint sweep linearises `LINEARIZE_CHUNK` steps at once for one solve of
     at least `LINEARIZE_MIN_STATES` states, unless (on CPU) a solver its step's
     linearisation factors with (`linearisation_solvers`: the stage solver, for radau5
-    also its coupled stages) factors a batch badly (`factors_in_batches_at`: a wide
+    the solver of its coupled stages) factors a batch badly (`factors_in_batches_at`: a wide
     band, or a long narrow one, factored by partitions)."""
     from solvers.ode.adjoints import sweep
     from solvers.ode.methods import resolve_method
@@ -445,11 +445,12 @@ def test_chunk_size_follows_the_stage_solver(monkeypatch):
     # radau5's derivative solves its three stages coupled, in a band three times as wide.
     assert sweep.chunk_size(with_solver("rodas5p", linear_solve.Banded(6, 6)), 1, many, 64) == 8
     assert sweep.chunk_size(with_solver("radau5", linear_solve.Banded(6, 6)), 1, many, 64) == 1
-    # Its replayed Newton iteration factors with the stage solver: a (2, 2) band of 512
-    # unknowns by partitions, although the coupled band (8, 8) of 1536 batches well.
-    assert linear_solve.Banded(2, 2).coupled(3).factors_in_batches_at(3 * 512)
-    assert sweep.chunk_size(with_solver("radau5", narrow), 1, 511, 64) == 8
-    assert sweep.chunk_size(with_solver("radau5", narrow), 1, 512, 64) == 1
+    # Its replayed step takes its stages as given and factors only the coupled band:
+    # a (2, 2) band of 512 unknowns is factored by partitions, its coupled band (8, 8)
+    # of 1536 is not and batches well.
+    assert not narrow.factors_in_batches_at(512)
+    assert narrow.coupled(3).factors_in_batches_at(3 * 512)
+    assert sweep.chunk_size(with_solver("radau5", narrow), 1, 512, 64) == 8
     # Elsewhere the batch is kept whatever the solver.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert sweep.chunk_size(with_solver("bdf", wide), 1, many, 64) == 8
