@@ -473,14 +473,16 @@ class Radau5(AbstractMethod):
         ratio = jnp.where(known, h / jnp.where(known, h_last, 1), 0)
         extrapolate = (ratio != 0) & (jnp.abs(ratio) <= START_RATIO_MAX)
         z0 = stat(jnp.where(extrapolate, extrapolated_start(z_last, ratio), 0))
-        if stages is not None:
+        if stages is None:
+            solve = newton
+        else:
 
-            def newton(res, z0):  # noqa: F811 - a replay's solution is given
+            def solve(res, z0):  # a replay's solution is given (`replay_step`)
                 del res, z0
                 return stat(stages), (jnp.ones((), bool), jnp.zeros((), dt))
 
         z, (ok, theta) = custom_root(
-            residual, z0, newton, self.linear_solver.coupled(3), has_aux=True
+            residual, z0, solve, self.linear_solver.coupled(3), has_aux=True
         )
         y1 = y + z[:, 2]
         k_next = f(y1, t + h, params)
