@@ -108,9 +108,9 @@ class TangentField:
 
     def step(self, method, z, kz, t, h, params, tol, end=None):
         """One step of the pair: the primal step and its derivative. With `end` (the
-        pair's end, from the checkpointed adjoint's replay: `z1` and the carry), the
-        primal step takes their primal halves as its end (`AbstractMethod.replay_step`);
-        its tangent is computed again."""
+        pair's end, from the checkpointed adjoint's replay: `z1` and what `replay_end`
+        keeps of the carry), the primal step takes their primal halves as its end
+        (`AbstractMethod.replay_step`); its tangent is computed again."""
         n, k = self.n, self.n_pd
         pd, pn = params
         f = self.f

@@ -400,15 +400,19 @@ def end_slot(steps, every: int, slots: int):
     return jnp.minimum(slot, slots - 1).astype(jnp.int32)
 
 
-def write_end(rec: RecordBuffers, state: StepState) -> RecordBuffers:
-    """The record with the solve's end (its state and carry), where its last step
-    ended, in `end_slot`: with every step's start kept or not, the sweep reads each
-    step's end there or from the next step's start, and replays no corrector (see
-    `AbstractMethod.replay_step`)."""
+def write_end(rec: RecordBuffers, state: StepState, method: AbstractMethod) -> RecordBuffers:
+    """The record with the solve's end, where its last step ended, in `end_slot`: its
+    state, and its carry too for a `method` whose replay reads the end's carry
+    (`AbstractMethod.replay_end`). With every step's start kept or not, the sweep reads
+    each step's end there or from the next step's start, and replays no corrector
+    (see `AbstractMethod.replay_step`)."""
     every = rec.y_last.shape[0] - 1  # (see `initial_state`)
     slot = end_slot(state.acc, every, rec.y_cp.shape[0])
+    rec = dataclasses.replace(rec, y_cp=rec.y_cp.at[slot].set(state.y))
+    if method.replay_end(state.k) is None:
+        return rec
     k_cp = jax.tree_util.tree_map(lambda b, x: b.at[slot].set(x), rec.k_cp, state.k)
-    return dataclasses.replace(rec, y_cp=rec.y_cp.at[slot].set(state.y), k_cp=k_cp)
+    return dataclasses.replace(rec, k_cp=k_cp)
 
 
 def initial_state(

@@ -138,7 +138,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
             out_theta = jnp.ones(out_step.shape, tdt)
         # `y_last` and `k_last` keep their spare row: trimmed, each would be copied
         # whole, a pass over a large system's buffers of up to `max_steps` rows.
-        buffers = write_end(rec, state)
+        buffers = write_end(rec, state, cfg.method)
         record = Record(
             buffers=buffers, out_step=out_step, out_theta=out_theta, steps=state.acc,
             per_element=in_batch(),

@@ -60,9 +60,10 @@ class RecordBuffers(eqx.Module):
             spare), and the solve's end in the slot after its last step's segment
             (`loop.write_end`). When `y_last` keeps every step's start, only step 0's
             and the end are written.
-        k_cp: the method's carry at those states and at the solve's end (a pytree,
-            each leaf with a leading slot axis): a replay from a checkpoint starts from
-            it, so it repeats the solve's steps exactly.
+        k_cp: the method's carry at those states, and at the solve's end where its
+            replay reads the end's carry (`AbstractMethod.replay_end`; a pytree, each
+            leaf with a leading slot axis): a replay from a checkpoint starts from it,
+            so it repeats the solve's steps exactly.
         y_last: the starts of the latest `every` steps, step `k` in slot `k % every`.
         k_last: the carry at those starts, as a replay of the step with its end known
             reads it (`AbstractMethod.replay_carry`).

@@ -332,9 +332,10 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
     # and the checkpoint slot holding each element's end (`loop.write_end`).
     k_cp_kept = method.replay_carry(k_cp)
     last_end = end_slot(steps, every, y_cp.shape[1])
+    # What a replay reads of a step's end carry (`replay_end`; none for most methods).
     solve_end = (
         pick_row(y_cp, last_end),
-        jax.tree_util.tree_map(lambda b: pick_row(b, last_end), k_cp_kept),
+        jax.tree_util.tree_map(lambda b: pick_row(b, last_end), method.replay_end(k_cp_kept)),
     )
 
     def step_at(k):
@@ -525,7 +526,7 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
         after_slot = jnp.minimum(seg + 1, y_cp.shape[1] - 1)
         after_last = (
             y_cp[:, after_slot],
-            jax.tree_util.tree_map(lambda b: b[:, after_slot], k_cp_kept),
+            jax.tree_util.tree_map(lambda b: b[:, after_slot], method.replay_end(k_cp_kept)),
         )
 
         def linearize_chunk(j0):
@@ -561,7 +562,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
                 next_row = (
                     segment_row(ys, y_last, row + 1),
                     jax.tree_util.tree_map(
-                        lambda b, b_last: segment_row(b, b_last, row + 1), k1s, k_last
+                        lambda b, b_last: segment_row(b, b_last, row + 1),
+                        method.replay_end(k1s),
+                        method.replay_end(k_last),
                     ),
                 )
                 end = select(row + 1 < m, next_row, after_last)
@@ -615,7 +618,9 @@ def _sweep(f, loop: LoopConfig, every: int, y_cp, g, pd, pn, rec, p_axes):
             starts = BlockRows.rows(ys[0], idx)
             next_rows = jnp.minimum(idx + 1, every - 1)
             ends = BlockRows.rows(ys[0], next_rows)
-            k_end_rows = jax.tree_util.tree_map(lambda b: BlockRows.rows(b[0], next_rows), k1s)
+            k_end_rows = jax.tree_util.tree_map(
+                lambda b: BlockRows.rows(b[0], next_rows), method.replay_end(k1s)
+            )
             k1_rows = jax.tree_util.tree_map(lambda b: BlockRows.rows(b[0], idx), k1s)
             cols = jnp.minimum(k0 + idx, cap - 1)
             t_rows, h_rows = rec_t[:, cols], rec_h[:, cols]

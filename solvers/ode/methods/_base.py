@@ -67,8 +67,8 @@ class StepEnd(NamedTuple):
 
     Attributes:
         y: the `y1` the solve computed.
-        carry: the carry the step handed on, as the record keeps carries
-            (`AbstractMethod.replay_carry`).
+        carry: what `replay_step` reads of the carry the step handed on
+            (`AbstractMethod.replay_end`; `None` by default).
     """
 
     y: Any
@@ -306,13 +306,13 @@ class AbstractMethod(abc.ABC):
 
     def replay_step(self, f, y, carry, t, h, params, end: StepEnd, *, tol=None):
         """`step_with_stages` again for the checkpointed adjoint, which knows the step's
-        end (`end`: the `y1` the solve computed, and the carry it handed on). By
-        default the step is recomputed. A method whose stage equation has a solution
-        the end holds takes it instead of iterating again, and the derivative is the
-        same implicit one, taken at the same point: BDF's corrector has `y1` itself,
-        Radau IIA's stages are in the carry (`radau5.StageStart`). Only the step's
-        `y1`, carry values and stages are read from a replay: its error estimate and
-        `ok` need not be computed."""
+        end (`end`: the `y1` the solve computed, and what `replay_end` keeps of the
+        carry it handed on). By default the step is recomputed. A method whose stage
+        equation has a solution the end holds takes it instead of iterating again, and
+        the derivative is the same implicit one, taken at the same point: BDF's
+        corrector has `y1` itself, Radau IIA's stages are in the carry
+        (`radau5.StageStart`). Only the step's `y1`, carry values and stages are read
+        from a replay: its error estimate and `ok` need not be computed."""
         del end
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol)
 
@@ -323,6 +323,13 @@ class AbstractMethod(abc.ABC):
         it; BDF and Radau5 leave out the factorisation they may reuse, which a replay
         never iterates with."""
         return carry
+
+    def replay_end(self, carry):
+        """The part of a step's end carry (in `replay_carry` form, or a buffer of such
+        carries) that `replay_step` reads (`StepEnd.carry`): by default none (`None`),
+        so the adjoint reads no carry at the steps' ends; Radau5 its stages."""
+        del carry
+        return None
 
     def step(self, f, y, carry, t, h, params, *, tol=None):
         """`step_with_stages` without the stages: `(y1, y_error, carry1, ok)`."""

@@ -387,11 +387,14 @@ class Radau5(AbstractMethod):
         # the factors a step may reuse are not read, and not recorded.
         return dataclasses.replace(carry, memory=None)
 
+    def replay_end(self, carry: Radau5Carry) -> StageStart:
+        return carry.start
+
     def replay_step(self, f, y, carry: Radau5Carry, t, h, params, end: StepEnd, *, tol=None):
         # The step's stages are in the carry it handed on (`StageStart`), exactly as its
         # iteration left them: the replay takes them as the solution of the collocation
         # equations, whose derivative is the same implicit one, taken at the same point.
-        stages, _ = end.carry.start.unpack(y.shape[0])
+        stages, _ = end.carry.unpack(y.shape[0])
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol, stages=stages)
 
     def step_with_stages(self, f, y, carry: Radau5Carry, t, h, params, *, tol=None, stages=None):
