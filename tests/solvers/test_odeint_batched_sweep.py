@@ -127,6 +127,42 @@ def test_stiff_elements_ending_in_different_segments(x64, method):
     np.testing.assert_allclose(batch, each, rtol=1e-8)
 
 
+@pytest.mark.parametrize("layout", ["chunks", "blocks"])
+def test_one_solve_skips_the_steps_past_its_count(x64, monkeypatch, layout):
+    """The sweep of one solve of 100 states or more (forced here) skips the steps past
+    the solve's count, where a batch's sweep pulls them back masked. Segments of 8 steps
+    linearised eight at a time (the last segment's chunk runs past its steps), or every
+    step's start kept and read by blocks of the steps taken, one step at a time (each
+    through the same `cond`): each solve's gradient
+    against the batch's (whose elements take different numbers of steps) and against
+    central differences."""
+    from solvers.ode.adjoints import sweep
+
+    monkeypatch.setattr(sweep, "LINEARIZE_MIN_STATES", 1)
+    kw = dict(max_steps=100)
+    if layout == "chunks":
+        kw["adjoint"] = CheckpointAdjoint(max_steps=100, checkpoints=13)
+    else:
+        monkeypatch.setattr(sweep, "LINEARIZE_CHUNK", 1)
+    y0s = jnp.asarray(Y0S) * jnp.array([[1.0], [0.3], [2.0]])
+    steps = jax.vmap(lambda y0: solve(y0, 1.3, 0.5, return_info=True, **kw)[1].steps)(y0s)
+    steps = np.asarray(steps).tolist()
+    assert len(set(steps)) > 1 and min(steps) > 20 and any(s % 8 for s in steps)
+
+    def loss(p, y0):
+        ys = solve(y0, p[0], p[1], **kw)
+        return jnp.sum(ys[-1] ** 2) + jnp.sum(ys[3])
+
+    p = jnp.array([1.3, 0.5])
+    each = jnp.stack([jax.jit(jax.grad(loss))(p, y0) for y0 in y0s])
+    batch = jax.jit(jax.vmap(jax.grad(loss), (None, 0)))(p, y0s)
+    np.testing.assert_allclose(each, batch, rtol=1e-10, atol=1e-14)
+    # The discrete adjoint is exact for the computed solution; central differences see
+    # the step sizes move too, so compare at the solve's own tolerance.
+    w_only = lambda w: loss(jnp.stack([w, p[1]]), y0s[2])  # noqa: E731
+    np.testing.assert_allclose(each[2, 0], central(jax.jit(w_only), p[0]), rtol=1e-6)
+
+
 def test_batched_parameters_and_a_shared_initial_state(x64):
     """vmap over the parameters with one initial state: each element's parameter gets
     its own cotangent, the shared initial state the sum."""
