@@ -301,7 +301,9 @@ def test_history_as_products_is_the_history_by_rows(x64, monkeypatch):
     row by row: over twenty steps of a Brusselator line (32 states) whose size changes
     (rescaled differences) and whose order rises to 3, both forms give the same
     solution, differences and orders, and the same pull-back of all of it to the
-    start and the parameters, to rounding."""
+    start and the parameters, to rounding. The products' update adds `b d^T` as a
+    broadcast product, or as a matrix product for a large system (`PRODUCT_MIN`,
+    forced here), whose derivative with respect to `d` is a product too."""
     prob = PROBLEMS["bruss16"]
     f = lambda y, t, params: prob["f"](y, t, params[0], jnp)  # noqa: E731
     p, y0 = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
@@ -316,9 +318,11 @@ def test_history_as_products_is_the_history_by_rows(x64, monkeypatch):
             t, orders, good = t + h, [*orders, carry.memory.order], good & ok
         return (y, carry.D), (good, jnp.stack(orders))
 
-    results = {}
-    for least in (y0.size, y0.size + 1):  # products, then rows
+    results = []
+    # Products with the update's outer product as a matrix product, products, rows.
+    for least, product_min in ((y0.size, 1), (y0.size, bdf.PRODUCT_MIN), (y0.size + 1, 1)):
         monkeypatch.setattr(bdf, "HISTORY_PRODUCTS_MIN", least)
+        monkeypatch.setattr(bdf, "PRODUCT_MIN", product_min)
         zero = jnp.zeros((bdf.MAX_ORDER + 3, y0.size))
         form = bdf._History.of(zero, jnp.asarray(1), jnp.asarray(1.0), jnp.zeros((2, 8)))
         assert form.products == (least == y0.size)
@@ -327,13 +331,14 @@ def test_history_as_products_is_the_history_by_rows(x64, monkeypatch):
         cts = jax.tree_util.tree_map(
             lambda x: jnp.cos(jnp.arange(x.size) + 0.3).reshape(x.shape), out
         )
-        results[least] = out, pullback(cts), aux
-    (out_a, bar_a, (ok_a, q_a)), (out_b, bar_b, (ok_b, q_b)) = results.values()
-    assert bool(ok_a) and bool(ok_b)
-    np.testing.assert_array_equal(q_a, q_b)
-    assert int(q_a.max()) >= 3
-    for a, b in zip((*out_a, *bar_a), (*out_b, *bar_b)):
-        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11 * float(jnp.max(jnp.abs(b))))
+        results.append((out, pullback(cts), aux))
+    out_b, bar_b, (ok_b, q_b) = results[-1]
+    assert bool(ok_b) and int(q_b.max()) >= 3
+    for out_a, bar_a, (ok_a, q_a) in results[:-1]:
+        assert bool(ok_a)
+        np.testing.assert_array_equal(q_a, q_b)
+        for a, b in zip((*out_a, *bar_a), (*out_b, *bar_b)):
+            np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11 * float(jnp.max(jnp.abs(b))))
 
 
 def test_replay_with_a_known_end_reads_only_the_recorded_carry(x64):
