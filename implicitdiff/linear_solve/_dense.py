@@ -31,8 +31,8 @@ SUBSTITUTE_TRANSPOSE_MAX = 4
 
 class DenseState(NamedTuple):
     """The state of `Dense`: the operator, the LU factors of its matrix (as
-    `jax.scipy.linalg.lu_factor` gives them) and, up to `SUBSTITUTE_MAX` unknowns, the
-    row order the pivots give (`perm`; empty above).
+    `jax.scipy.linalg.lu_factor` gives them) and the row order the pivots give
+    (`perm`).
 
     The solves use the factors; their derivatives with respect to the operator come from
     the operator itself (`dx = -A^{-1} dA x`, one more solve with the same factors), so
@@ -126,29 +126,44 @@ class Dense(Factored):
         return self._factor_solve(_factor(materialise(matvec, b)), 0, matvec, b)
 
     def _apply(self, factors, b: jax.Array, trans: int) -> jax.Array:
-        lu, pivots, perm = factors
+        lu, _, perm = factors
         n = lu.shape[-1]
         if trans == 0 and 0 < n <= SUBSTITUTE_MAX:
             return _substitute(lu, perm, b)
         if trans == 1 and 0 < n <= SUBSTITUTE_TRANSPOSE_MAX:
             return _substitute_transposed(lu, perm, b)
-        return jsp_linalg.lu_solve((lu, pivots), b, trans=trans)
+        return _triangular_solves(lu, perm, b, trans)
 
 
 def _factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(lu, pivots, perm)`: LAPACK's factors (written out up to `UNROLLED_LU_MAX`
-    unknowns, see `unrolled_lu`) and, for the written-out substitutions
-    (up to `SUBSTITUTE_MAX` unknowns; else empty), the row order of `P A = L U` (row
-    `i` swapped with row `pivots[i]`, in turn). The row order is computed once with the
-    factors: `lax.linalg.lu_pivots_to_permutation` is a loop, which at each solve
-    would run inside the loop of every Newton iteration that reuses the factors."""
+    unknowns, see `unrolled_lu`) and the row order of `P A = L U` (row `i` swapped with
+    row `pivots[i]`, in turn). The row order is computed once with the factors:
+    `lax.linalg.lu_pivots_to_permutation` is a loop, which `jax.scipy.linalg.lu_solve`
+    runs at each solve (and for `A^T` a sort besides), inside the loop of every Newton
+    iteration that reuses the factors and at every step of a reverse pass."""
     n = matrix.shape[-1]
     if 0 < n <= UNROLLED_LU_MAX:
         return unrolled_lu(matrix)
     lu, pivots = jsp_linalg.lu_factor(matrix)
-    if 0 < n <= SUBSTITUTE_MAX:
-        return lu, pivots, jax.lax.linalg.lu_pivots_to_permutation(pivots, n)
-    return lu, pivots, jnp.zeros((0,), pivots.dtype)
+    return lu, pivots, jax.lax.linalg.lu_pivots_to_permutation(pivots, n)
+
+
+def _triangular_solves(lu: jax.Array, perm: jax.Array, b: jax.Array, trans: int) -> jax.Array:
+    """`A^{-1} b` (`trans` 0) or `A^{-T} b` (`trans` 1) from `P A = L U` by LAPACK's
+    triangular solves, the rows of `P` applied with `perm`: as
+    `jax.scipy.linalg.lu_solve`, without its row order from the pivots at each
+    solve."""
+    x = b.reshape(b.shape[0], -1)
+    solve = jax.lax.linalg.triangular_solve
+    if trans == 0:  # L U x = P b
+        x = solve(lu, x[perm], left_side=True, lower=True, unit_diagonal=True)
+        x = solve(lu, x, left_side=True, lower=False)
+    else:  # A^T = U^T L^T P: U^T z = b, L^T w = z, x = P^T w
+        x = solve(lu, x, left_side=True, lower=False, transpose_a=True)
+        x = solve(lu, x, left_side=True, lower=True, unit_diagonal=True, transpose_a=True)
+        x = jnp.zeros_like(x).at[perm].set(x)
+    return x.reshape(b.shape)
 
 
 @jax.jit
