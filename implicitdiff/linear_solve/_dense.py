@@ -154,7 +154,8 @@ def _triangular_solves(lu: jax.Array, perm: jax.Array, b: jax.Array, trans: int)
     triangular solves, the rows of `P` applied with `perm`: as
     `jax.scipy.linalg.lu_solve`, without its row order from the pivots at each
     solve."""
-    x = b.reshape(b.shape[0], -1)
+    dtype = jnp.result_type(lu, b)  # as `lu_solve`, both in a common dtype
+    lu, x = lu.astype(dtype), b.reshape(b.shape[0], -1).astype(dtype)
     solve = jax.lax.linalg.triangular_solve
     if trans == 0:  # L U x = P b
         x = solve(lu, x[perm], left_side=True, lower=True, unit_diagonal=True)

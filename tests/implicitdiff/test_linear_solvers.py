@@ -324,6 +324,22 @@ def test_dense_solves_either_side_of_the_substitution_size(x64, n, make):
         np.testing.assert_allclose(run_one(batch[0], rhs), want, rtol=1e-10, atol=bound)
 
 
+def test_dense_solves_complex_systems_above_the_written_out_sizes(x64):
+    """Above the written-out sizes `Dense` solves with LAPACK's triangular solves and
+    its own row order: complex systems, one right-hand side, `A` and `A^T` (the
+    transpose, not the conjugate transpose), against NumPy."""
+    rng = np.random.default_rng(4)
+    solver = linear_solve.Dense()
+    for n in (9, 12):
+        a = rng.normal(size=(n, n)) + 1j * rng.normal(size=(n, n))
+        b = rng.normal(size=n) + 1j * rng.normal(size=n)
+        state = solver.init(functools.partial(jnp.matmul, jnp.asarray(a)), jnp.zeros(n, a.dtype))
+        got = solver.solve(state, jnp.asarray(b))
+        got_t = solver.transpose_solve(state, jnp.asarray(b))
+        np.testing.assert_allclose(got, np.linalg.solve(a, b), rtol=1e-11, atol=1e-12)
+        np.testing.assert_allclose(got_t, np.linalg.solve(a.T, b), rtol=1e-11, atol=1e-12)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
 def test_unrolled_lu_gives_lapacks_factors(x64, n, dtype):

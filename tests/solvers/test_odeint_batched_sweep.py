@@ -135,7 +135,7 @@ def test_one_solve_skips_the_steps_past_its_count(x64, monkeypatch, layout):
     step's start kept and read by blocks of the steps taken, one step at a time (each
     through the same `cond`): each solve's gradient
     against the batch's (whose elements take different numbers of steps) and against
-    central differences."""
+    central differences, and `vmap` of `jacfwd(grad)` against each element's."""
     from solvers.ode.adjoints import sweep
 
     monkeypatch.setattr(sweep, "LINEARIZE_MIN_STATES", 1)
@@ -161,6 +161,11 @@ def test_one_solve_skips_the_steps_past_its_count(x64, monkeypatch, layout):
     # the step sizes move too, so compare at the solve's own tolerance.
     w_only = lambda w: loss(jnp.stack([w, p[1]]), y0s[2])  # noqa: E731
     np.testing.assert_allclose(each[2, 0], central(jax.jit(w_only), p[0]), rtol=1e-6)
+    # Forward mode over the sweep, under a `vmap` the sweep does not see: one sweep
+    # for all the elements, whose `cond` the `vmap` makes a select.
+    hess = jax.jit(jax.vmap(jax.jacfwd(jax.grad(loss)), (None, 0)))(p, y0s)
+    hess_each = jnp.stack([jax.jit(jax.jacfwd(jax.grad(loss)))(p, y0) for y0 in y0s])
+    np.testing.assert_allclose(hess, hess_each, rtol=1e-9, atol=1e-12)
 
 
 def test_batched_parameters_and_a_shared_initial_state(x64):
