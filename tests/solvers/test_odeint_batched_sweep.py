@@ -133,9 +133,9 @@ def test_one_solve_skips_the_steps_past_its_count(x64, monkeypatch, layout):
     the solve's count, where a batch's sweep pulls them back masked. Segments of 8 steps
     linearised eight at a time (the last segment's chunk runs past its steps), or every
     step's start kept and read by blocks of the steps taken, one step at a time (each
-    through the same `cond`): each solve's gradient
-    against the batch's (whose elements take different numbers of steps) and against
-    central differences, and `vmap` of `jacfwd(grad)` against each element's."""
+    through the same `cond`): each solve's gradient against the batch's (whose elements
+    take different numbers of steps) and against central differences, and `vmap` of
+    `jacfwd(grad)` against each element's."""
     from solvers.ode.adjoints import sweep
 
     monkeypatch.setattr(sweep, "LINEARIZE_MIN_STATES", 1)
