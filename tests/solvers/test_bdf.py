@@ -318,11 +318,14 @@ def test_history_as_products_is_the_history_by_rows(x64, monkeypatch):
             t, orders, good = t + h, [*orders, carry.memory.order], good & ok
         return (y, carry.D), (good, jnp.stack(orders))
 
+    from solvers.ode import _small
+
     results = []
-    # Products with the update's outer product as a matrix product, products, rows.
-    for least, product_min in ((y0.size, 1), (y0.size, bdf.PRODUCT_MIN), (y0.size + 1, 1)):
+    # Products as matrix products (the update's outer product too), products as sums,
+    # rows.
+    for least, product_min in ((y0.size, 1), (y0.size, _small.PRODUCT_MIN), (y0.size + 1, 1)):
         monkeypatch.setattr(bdf, "HISTORY_PRODUCTS_MIN", least)
-        monkeypatch.setattr(bdf, "PRODUCT_MIN", product_min)
+        monkeypatch.setattr(_small, "PRODUCT_MIN", product_min)
         zero = jnp.zeros((bdf.MAX_ORDER + 3, y0.size))
         form = bdf._History.of(zero, jnp.asarray(1), jnp.asarray(1.0), jnp.zeros((2, 8)))
         assert form.products == (least == y0.size)

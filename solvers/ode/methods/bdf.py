@@ -52,7 +52,7 @@ from jaxtyping import Array, Float, Int
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
-from .._small import PRODUCT_MIN, small_product, weighted_stages
+from .._small import small_product, weighted_stages
 from ..mass import MassMatrix, apply_mass
 from ._base import (
     AbstractMethod,
@@ -210,16 +210,13 @@ class _History:
         `d`."""
         if self.products:
             _, b = _update_matrix(self.q, self.rows.dtype)
-            if b.size * d.size < PRODUCT_MIN:
-                return self.rows[2:] + b[:, None] * d
-            # Larger, `b d^T` as a product of a column and a row: its derivative with
-            # respect to `d`, `b^T D_bar`, is then a matrix product too, where the
+            # `b d^T` by `small_product`: on a large system a matrix product, whose
+            # derivative with respect to `d`, `b^T D_bar`, is one too, where the
             # broadcast product's was a sum over the cotangent's rows, which XLA's CPU
             # runtime ran 4-8x slower (3000 states: 40 against 5.5 us; the gradient of
-            # 1000 copies of ROBER 6-8% faster). Smaller, the sum was the quicker (192
+            # 1000 copies of ROBER 6-8% faster). Smaller, the broadcast product (192
             # states: the gradient 15% faster).
-            outer = jnp.matmul(b[:, None], d[None, :], precision=jax.lax.Precision.HIGHEST)
-            return self.rows[2:] + outer
+            return self.rows[2:] + small_product(b[:, None], d[None, :])
         return _update_differences(self.rows, d, self.q)
 
 
