@@ -791,12 +791,13 @@ def test_implicit_stages_as_a_loop_under_every_transformation(
 
 def _assert_same_step(rolled, unrolled, dtype):
     """Two results of `step_with_stages` agree: both steps succeeded, and their solution,
-    error estimate, `f` at the end and stages match to rounding relative to the largest
+    error estimate, the carries they hand on and stages match to rounding relative to the largest
     of them (1e-12 in float64; in float32 the check is mostly that every result keeps
     the state's precision)."""
-    y1, err, k_next, ok, ks = rolled
+    y1, err, carry1, ok, ks = rolled
     assert bool(ok) and bool(unrolled[3])
-    leaves = list(zip([y1, err, k_next, *ks], [*unrolled[:3], *unrolled[4]], strict=True))
+    ours, theirs = (jax.tree_util.tree_leaves(c) for c in (carry1, unrolled[2]))
+    leaves = list(zip([y1, err, *ours, *ks], [*unrolled[:2], *theirs, *unrolled[4]], strict=True))
     scale = max(float(jnp.max(jnp.abs(b))) for _, b in leaves)
     tol = 1e-12 if dtype == np.float64 else 1e-4
     for a, b in leaves:
@@ -859,8 +860,9 @@ def test_esdirk_stages_in_a_loop_are_the_unrolled_stages(x64, dtype):
     eps = float(jnp.finfo(dtype).eps)
     tight = StageTolerance(rtol=10 * eps, atol=10 * eps) if dtype == np.float64 else None
     h = jnp.asarray(2e-3, dtype)
-    rolled = step.step_with_stages(f, y, k1, t, h, p, tol=tight)
-    unrolled = unrolled_step.step_with_stages(f, y, k1, t, h, p, tol=tight)
+    carry = kvaerno5.initial_carry(y, k1)
+    rolled = step.step_with_stages(f, y, carry, t, h, p, tol=tight)
+    unrolled = unrolled_step.step_with_stages(f, y, carry, t, h, p, tol=tight)
     _assert_same_step(rolled, unrolled, dtype)
 
     # A field that turns strongly nonlinear in a short window around the third stage's
@@ -872,8 +874,66 @@ def test_esdirk_stages_in_a_loop_are_the_unrolled_stages(x64, dtype):
         return f(y, s, p) + bump * jnp.sin(y) ** 2
 
     for form in (step, unrolled_step):
-        assert not bool(form.step_with_stages(g, y, k1, t, h, p, tol=tight)[3])
-        assert bool(form.step_with_stages(f, y, k1, t, h, p, tol=tight)[3])
+        assert not bool(form.step_with_stages(g, y, carry, t, h, p, tol=tight)[3])
+        assert bool(form.step_with_stages(f, y, carry, t, h, p, tol=tight)[3])
+
+
+@pytest.mark.parametrize("stage_loop", [False, True])
+def test_esdirk_replay_takes_the_stages_its_step_handed_on(x64, stage_loop):
+    """The checkpointed adjoint's replay of a kvaerno5 step (`replay_step`, given the
+    step's end as the solve recorded it) iterates no stage equation: it takes the
+    stage values the step handed on in its carry. It gives the step's solution, `f`
+    at its end and stages, and the same derivative with respect to the start and the
+    parameter, which matches central differences of the iterated step."""
+    from solvers.ode.methods import StageTolerance, StepEnd, resolve_method
+
+    f_lin, _, y0 = _forced_linear_system()
+    rng = np.random.default_rng(3)
+
+    def f(y, t, p):
+        return f_lin(y, t, p) + 0.3 * jnp.sin(y) * jnp.sin(3 * t)
+
+    method = dataclasses.replace(resolve_method("odeint", "kvaerno5"), stage_loop=stage_loop)
+    y = jnp.asarray(y0 + 0.1 * rng.normal(size=y0.size))
+    t, p, h = jnp.asarray(0.3), jnp.asarray(1.3), jnp.asarray(2e-3)
+    tight = StageTolerance(rtol=1e-14, atol=1e-14)
+    carry = method.initial_carry(y, f(y, t, p))
+
+    def step(y, p):
+        y1, _, carry1, ok, ks = method.step_with_stages(f, y, carry, t, h, p, tol=tight)
+        return y1, carry1, ok, ks
+
+    y1, carry1, ok, ks = step(y, p)
+    assert bool(ok)
+    end = StepEnd(y1, method.replay_end(carry1))
+
+    def replay(y, p):
+        y1, _, carry1, _, ks = method.replay_step(f, y, carry, t, h, p, end, tol=tight)
+        return y1, carry1, ks
+
+    # No Newton iteration and no iteration matrix: no factorisation, and without the
+    # stage loop no loop at all. (The iterated step has both.)
+    for fn, iterates in ((replay, False), (lambda y, p: step(y, p)[:2], True)):
+        lowered = jax.jit(fn).lower(y, p).as_text()
+        assert ("getrf" in lowered) == iterates
+        if not stage_loop:
+            assert ("stablehlo.while" in lowered) == iterates
+    r_y1, r_carry1, r_ks = replay(y, p)
+    scale = float(jnp.max(jnp.abs(jnp.stack(ks))))
+    for a, b in zip([r_y1, r_carry1.k, *r_ks], [y1, carry1.k, *ks], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13 * scale)
+
+    # The same derivative as the iterated step's, and central differences of it.
+    d_replay = jax.jacfwd(lambda y, p: replay(y, p)[0], argnums=(0, 1))(y, p)
+    d_step = jax.jacfwd(lambda y, p: step(y, p)[0], argnums=(0, 1))(y, p)
+    for a, b in zip(d_replay, d_step, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    eps = 1e-5
+    fd = (step(y, p + eps)[0] - step(y, p - eps)[0]) / (2 * eps)
+    np.testing.assert_allclose(d_replay[1], fd, rtol=1e-7, atol=1e-9)
+    v = jnp.asarray(rng.normal(size=y.size))
+    fd_y = (step(y + eps * v, p)[0] - step(y - eps * v, p)[0]) / (2 * eps)
+    np.testing.assert_allclose(d_replay[0] @ v, fd_y, rtol=1e-7, atol=1e-9)
 
 
 def test_stiff_method_defaults_to_the_checkpointed_adjoint(x64):
@@ -927,8 +987,9 @@ def test_backsolve_accepts_a_stable_backward_integration(x64):
 
 
 def test_stiffly_accurate_step_ends_on_its_last_stage(x64):
-    """Kvaerno5's last stage is its solution: the step returns that stage's value, and
-    the carried derivative at the new point comes from the stage equation."""
+    """Kvaerno5's last stage is its solution: the step returns that stage's value (the
+    last of the stage values it hands on), and the carried derivative at the new point
+    comes from the stage equation."""
     m = ode_methods.METHODS["kvaerno5"]
     assert m.stiffly_accurate and not m.fsal
     prob = PROBLEMS["rober"]
@@ -936,9 +997,12 @@ def test_stiffly_accurate_step_ends_on_its_last_stage(x64):
     f = lambda y, t, p: prob["f"](y, t, p, jnp)  # noqa: E731
     tol = ode_methods.StageTolerance(rtol=1e-6, atol=1e-10)
     h = 1e-4
-    y1, _, k_next, ok, ks = m.step_with_stages(f, y, f(y, 0.0, p), 0.0, h, p, tol=tol)
+    carry = m.initial_carry(y, f(y, 0.0, p))
+    y1, _, carry1, ok, ks = m.step_with_stages(f, y, carry, 0.0, h, p, tol=tol)
     assert bool(ok)
+    k_next = carry1.k
     np.testing.assert_array_equal(k_next, ks[-1])
+    np.testing.assert_array_equal(carry1.stages.unpack(y.shape[0])[-1], y1)
     # The stage equation's derivative is f at the stage to the stage's accuracy (about
     # 1e-12 here) times the stiffness (|J| about 1e3 on this step).
     np.testing.assert_allclose(k_next, f(y1, h, p), rtol=1e-6, atol=1e-8)

@@ -32,7 +32,7 @@ from ._base import (
     partition_carry,
     select,
 )
-from ._esdirk import ESDIRK
+from ._esdirk import ESDIRK, ESDIRKCarry, StageValues
 from ._reuse import FactorMemory
 from ._rosenbrock import Rosenbrock, RosenbrockTableau
 from ._runge_kutta import ExplicitRungeKutta, TableauMethod
@@ -60,6 +60,8 @@ __all__ = [
     "TableauMethod",
     "ExplicitRungeKutta",
     "ESDIRK",
+    "ESDIRKCarry",
+    "StageValues",
     "Rosenbrock",
     "RosenbrockTableau",
     "Dopri5",

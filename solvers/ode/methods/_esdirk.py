@@ -20,6 +20,12 @@ remaining error by the stiffness (`|h J|` can be 1e6), and the error estimate an
 next stages would carry that. A stiffly accurate method (its last row of `a`, with the
 diagonal, is `b`) ends the step on its last stage for the same reason.
 
+A step hands on, with `f` at its end, its implicit stages' values (`ESDIRKCarry`): the
+checkpointed adjoint records them with the step, and its replay of the step
+(`replay_step`) takes them as the stage equations' solutions instead of iterating
+again. The derivative is the same implicit one, taken at the same point; the replay
+needs no Newton iteration and no iteration matrix.
+
 With one diagonal value (one iteration matrix), the implicit stages can run as one
 loop over the tableau's rows (`stage_loop`, by default from `ROLL_MIN_STATES` states
 on): the program then holds the field, the Newton iteration and the stage solve once
@@ -36,18 +42,27 @@ from __future__ import annotations
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
 from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
 from .._small import weighted_stages
-from ._base import StageTolerance, after, jacobian_product, lower_triangle
+from ._base import Memory, StageTolerance, after, jacobian_product, lower_triangle
 from ._newton import rounding_floor, simplified_newton
 from ._runge_kutta import TableauMethod, combine
 
-__all__ = ["ESDIRK", "NEWTON_ITERS", "NEWTON_KAPPA", "ROLL_MIN_STATES"]
+__all__ = [
+    "ESDIRK",
+    "ESDIRKCarry",
+    "StageValues",
+    "NEWTON_ITERS",
+    "NEWTON_KAPPA",
+    "ROLL_MIN_STATES",
+]
 
 #: The most simplified Newton iterations for one stage.
 NEWTON_ITERS = 10
@@ -57,6 +72,37 @@ NEWTON_KAPPA = 1e-2
 #: From this many states on, the implicit stages of a method with one diagonal value
 #: run as one loop (`ESDIRK._rolled_stages`) instead of one after another.
 ROLL_MIN_STATES = 8
+
+
+class StageValues(Memory):
+    """The values of a step's implicit stages, as the checkpointed adjoint's replay
+    takes them (`ESDIRK.replay_step`): never differentiated (the derivative is the
+    stage equations' implicit one), and one array, so that recording them is one
+    buffer per step (a buffer with rows of more than one axis costs the record far
+    more than its size).
+
+    Attributes:
+        packed: `((stages - 1) * n,)`: stage `i`'s value in entries `(i - 1) n` to
+            `i n` (zeros before the first step).
+    """
+
+    packed: Float[Array, ...]
+
+    def unpack(self, n: int):
+        """The stages' values as rows, `(stages - 1, n)`."""
+        return self.packed.reshape(-1, n)
+
+
+class ESDIRKCarry(eqx.Module):
+    """What an `ESDIRK` step hands on.
+
+    Attributes:
+        k: `f` at the step's end (the next step's explicit first stage).
+        stages: the step's implicit stages' values (`StageValues`).
+    """
+
+    k: Float[Array, ...]
+    stages: StageValues
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +178,30 @@ class ESDIRK(TableauMethod):
     def linearisation_solvers(self, n: int) -> tuple[tuple[LinearSolver, int], ...]:
         return ((self.linear_solver, n),)
 
-    def step_with_stages(self, f, y, k1, t, h, params, *, tol=None):
+    def initial_carry(self, y0, k0) -> ESDIRKCarry:
+        packed = jnp.zeros(((self.tableau.stages - 1) * y0.shape[0],), y0.dtype)
+        return ESDIRKCarry(k=k0, stages=StageValues(packed=packed))
+
+    def slope(self, carry: ESDIRKCarry):
+        return carry.k
+
+    def replay_end(self, carry: ESDIRKCarry) -> StageValues:
+        return carry.stages
+
+    def replay_step(self, f, y, carry: ESDIRKCarry, t, h, params, end, *, tol=None):
+        # The step's stage values are in the carry it handed on, as its iteration left
+        # them: the replay takes them as the stage equations' solutions.
+        stages = end.carry.unpack(y.shape[0])
+        return self.step_with_stages(f, y, carry, t, h, params, tol=tol, stages=stages)
+
+    def step_with_stages(self, f, y, carry: ESDIRKCarry, t, h, params, *, tol=None, stages=None):
+        """One step (see `AbstractMethod.step_with_stages`). With `stages`, the implicit
+        stages' values of a replayed step (`replay_step`): no iteration and no
+        iteration matrix, a zero error estimate, and `ok` true."""
         tol = tol or StageTolerance()
         tab = self.tableau
         n, dt = y.shape[0], y.dtype
+        k1 = carry.k
         # The iteration matrices `I - h gamma J`, one per distinct diagonal, prepared by
         # the linear solver from Jacobian-vector products at the step's start. They only
         # steer the iteration (its derivative is implicit), so no gradient flows
@@ -146,6 +212,9 @@ class ESDIRK(TableauMethod):
         )
         lus, prev = {}, None
         for g in sorted(set(tab.gamma[1:])):
+            if stages is not None:
+                lus[g] = None
+                continue
             # One preparation after the other (see `after`).
             hg = after(jnp.asarray(h * g, dt), prev)
             lus[g] = prev = jax.lax.stop_gradient(solver.init(lambda v, hg=hg: v - hg * jvp(v), y))
@@ -176,14 +245,17 @@ class ESDIRK(TableauMethod):
         # value of such a step may be far off, with a singular or non-finite Jacobian.
         tangent_solve = solver
 
-        def stage(base, guess, ti, hg, lu, eta0):
-            """One implicit stage: its value `z`, derivative, convergence and rate."""
+        def stage(base, guess, ti, hg, lu, eta0, known):
+            """One implicit stage: its value `z`, derivative, convergence and rate.
+            `known`: the stage's value in a replay, else `None`."""
 
             def residual(z):
                 return z - base - hg * f(z, ti, params)
 
             def solve(res, z0):
-                return newton(res, z0, lu, eta0)
+                if known is None:
+                    return newton(res, z0, lu, eta0)
+                return jax.lax.stop_gradient(known), (jnp.asarray(True), eta0)
 
             z, (conv, eta) = custom_root(residual, guess, solve, tangent_solve, has_aux=True)
             # (A zero step, such as a solve from `t0` to `t0` attempts, has no stage
@@ -195,28 +267,33 @@ class ESDIRK(TableauMethod):
         rolled = len(lus) == 1 and (
             n >= ROLL_MIN_STATES if self.stage_loop is None else self.stage_loop
         )
-        stages = self._rolled_stages if rolled else self._unrolled_stages
-        ks, z, ok = stages(stage, lus, y, k1, t, h)
-        y1 = z if self.stiffly_accurate else combine(y, h, tab.b, ks)
+        run = self._rolled_stages if rolled else self._unrolled_stages
+        ks, zs, ok = run(stage, lus, y, k1, t, h, stages)
+        y1 = zs[-1] if self.stiffly_accurate else combine(y, h, tab.b, ks)
         k_next = ks[-1] if self.stiffly_accurate else f(y1, t + h, params)
-        return y1, self.error(h, ks), k_next, ok, ks
+        err = self.error(h, ks) if stages is None else jnp.zeros_like(y)
+        carry1 = ESDIRKCarry(k=k_next, stages=StageValues(packed=zs.reshape(-1)))
+        return y1, err, carry1, ok, ks
 
-    def _unrolled_stages(self, stage, lus, y, k1, t, h):
-        """The stages one after another in the program."""
+    def _unrolled_stages(self, stage, lus, y, k1, t, h, known):
+        """The stages one after another in the program: `(ks, zs, ok)`, `zs` the
+        implicit stages' values as rows."""
         tab = self.tableau
         rdt = jnp.finfo(y.dtype).dtype
-        ks, ok, eta, z = [k1], jnp.asarray(True), jnp.asarray(1.0, rdt), y
+        ks, zs, ok, eta = [k1], [], jnp.asarray(True), jnp.asarray(1.0, rdt)
         for i in range(1, tab.stages):
             base = combine(y, h, tab.a[i], ks)
             guess = combine(y, h, tab.predictor[i - 1], ks) if tab.predictor else base
             g = tab.gamma[i]
             hg = jnp.asarray(h * g, y.dtype)
-            z, k, conv, eta = stage(base, guess, t + tab.c[i] * h, hg, lus[g], eta)
+            z_known = None if known is None else known[i - 1]
+            z, k, conv, eta = stage(base, guess, t + tab.c[i] * h, hg, lus[g], eta, z_known)
             ks.append(k)
+            zs.append(z)
             ok = ok & conv
-        return ks, z, ok
+        return ks, jnp.stack(zs), ok
 
-    def _rolled_stages(self, stage, lus, y, k1, t, h):
+    def _rolled_stages(self, stage, lus, y, k1, t, h, known):
         """Stages 2..s as one loop over the tableau's rows (one diagonal value, so one
         iteration matrix): the field, the Newton iteration and the stage solve appear
         once in the program instead of once per stage, which about halves the compile
@@ -233,13 +310,15 @@ class ESDIRK(TableauMethod):
         c = jnp.asarray(tab.c, jnp.result_type(t, h))
 
         def body(i, carry):
-            ks, _, ok, eta = carry
+            ks, zs, ok, eta = carry
             base = y + h * weighted_stages(a[i], ks)
             guess = base if pred is None else y + h * weighted_stages(pred[i], ks)
-            z, k, conv, eta = stage(base, guess, t + c[i] * h, hg, lu, eta)
-            return ks.at[i].set(k), z, ok & conv, eta
+            z_known = None if known is None else known[i - 1]
+            z, k, conv, eta = stage(base, guess, t + c[i] * h, hg, lu, eta, z_known)
+            return ks.at[i].set(k), zs.at[i - 1].set(z), ok & conv, eta
 
         ks = jnp.zeros((s,) + y.shape, dt).at[0].set(k1)
-        init = (ks, y, jnp.asarray(True), jnp.asarray(1.0, rdt))
-        ks, z, ok, _ = jax.lax.fori_loop(1, s, body, init)
-        return [ks[i] for i in range(s)], z, ok
+        zs = jnp.zeros((s - 1,) + y.shape, dt)
+        init = (ks, zs, jnp.asarray(True), jnp.asarray(1.0, rdt))
+        ks, zs, ok, _ = jax.lax.fori_loop(1, s, body, init)
+        return [ks[i] for i in range(s)], zs, ok
