@@ -878,14 +878,37 @@ def test_esdirk_stages_in_a_loop_are_the_unrolled_stages(x64, dtype):
         assert bool(form.step_with_stages(f, y, carry, t, h, p, tol=tight)[3])
 
 
-@pytest.mark.parametrize("stage_loop", [False, True])
-def test_esdirk_replay_takes_the_stages_its_step_handed_on(x64, stage_loop):
-    """The checkpointed adjoint's replay of a kvaerno5 step (`replay_step`, given the
+def _esdirk_forms():
+    """kvaerno5 with and without its stage loop; a stiffly accurate pair with two
+    diagonal values (two iteration matrices); one that is not stiffly accurate (its
+    solution a combination of the stages, `f` at the end evaluated)."""
+    from solvers.ode.methods import ESDIRK, ButcherTableau, resolve_method
+
+    kvaerno5 = resolve_method("odeint", "kvaerno5")
+    two_diagonals = ButcherTableau(
+        c=(0.0, 0.2, 1.0), a=((), (0.1,), (0.5, 0.0)), b=(0.5, 0.0, 0.5),
+        e=(0.5, -1.0, 0.5), gamma=(0.0, 0.1, 0.5),
+    )  # fmt: skip
+    combined = ButcherTableau(
+        c=(0.0, 0.6, 1.0), a=((), (0.3,), (0.4, 0.3)), b=(0.25, 0.35, 0.4),
+        e=(0.05, -0.05, 0.0), gamma=(0.0, 0.3, 0.3),
+    )  # fmt: skip
+    return {
+        "kvaerno5": dataclasses.replace(kvaerno5, stage_loop=False),
+        "kvaerno5-loop": dataclasses.replace(kvaerno5, stage_loop=True),
+        "two-diagonals": ESDIRK(tableau=two_diagonals, order=2, name="two-diagonals"),
+        "combined": ESDIRK(tableau=combined, order=2, name="combined", stage_loop=False),
+    }
+
+
+@pytest.mark.parametrize("form", ["kvaerno5", "kvaerno5-loop", "two-diagonals", "combined"])
+def test_esdirk_replay_takes_the_stages_its_step_handed_on(x64, form):
+    """The checkpointed adjoint's replay of an ESDIRK step (`replay_step`, given the
     step's end as the solve recorded it) iterates no stage equation: it takes the
-    stage values the step handed on in its carry. It gives the step's solution, `f`
-    at its end and stages, and the same derivative with respect to the start and the
-    parameter, which matches central differences of the iterated step."""
-    from solvers.ode.methods import StageTolerance, StepEnd, resolve_method
+    stage values the step handed on in its carry. It gives the step's solution, carry
+    and stages, and the same derivative with respect to the start and the parameter,
+    which matches central differences of the iterated step."""
+    from solvers.ode.methods import StageTolerance, StepEnd
 
     f_lin, _, y0 = _forced_linear_system()
     rng = np.random.default_rng(3)
@@ -893,7 +916,9 @@ def test_esdirk_replay_takes_the_stages_its_step_handed_on(x64, stage_loop):
     def f(y, t, p):
         return f_lin(y, t, p) + 0.3 * jnp.sin(y) * jnp.sin(3 * t)
 
-    method = dataclasses.replace(resolve_method("odeint", "kvaerno5"), stage_loop=stage_loop)
+    method = _esdirk_forms()[form]
+    stage_loop = method.stage_loop
+    assert method.stiffly_accurate == (form != "combined")
     y = jnp.asarray(y0 + 0.1 * rng.normal(size=y0.size))
     t, p, h = jnp.asarray(0.3), jnp.asarray(1.3), jnp.asarray(2e-3)
     tight = StageTolerance(rtol=1e-14, atol=1e-14)
@@ -920,7 +945,8 @@ def test_esdirk_replay_takes_the_stages_its_step_handed_on(x64, stage_loop):
             assert ("stablehlo.while" in lowered) == iterates
     r_y1, r_carry1, r_ks = replay(y, p)
     scale = float(jnp.max(jnp.abs(jnp.stack(ks))))
-    for a, b in zip([r_y1, r_carry1.k, *r_ks], [y1, carry1.k, *ks], strict=True):
+    ours = [r_y1, r_carry1.k, r_carry1.stages.packed, *r_ks]
+    for a, b in zip(ours, [y1, carry1.k, carry1.stages.packed, *ks], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13 * scale)
 
     # The same derivative as the iterated step's, and central differences of it.
@@ -934,6 +960,32 @@ def test_esdirk_replay_takes_the_stages_its_step_handed_on(x64, stage_loop):
     v = jnp.asarray(rng.normal(size=y.size))
     fd_y = (step(y + eps * v, p)[0] - step(y - eps * v, p)[0]) / (2 * eps)
     np.testing.assert_allclose(d_replay[0] @ v, fd_y, rtol=1e-7, atol=1e-9)
+
+
+def test_esdirk_first_carry_holds_the_stages_of_a_zero_step(x64):
+    """Before its first step, an ESDIRK carry holds the start's value for every stage:
+    the stages of a step of size zero. Replayed from it, such a step is the identity
+    with an identity derivative, and evaluates the field's derivative at the start
+    only: for `y' = -p sqrt(y)` from `y = 1` (a Jacobian infinite at 0) it is finite,
+    where stage values of 0 would make it `0 * inf`."""
+    from solvers.ode.methods import StepEnd, resolve_method
+
+    def f(y, t, p):
+        return -p * jnp.sqrt(y)
+
+    method = resolve_method("odeint", "kvaerno5")
+    y0, p = jnp.ones(2), jnp.asarray(0.8)
+    carry0 = method.initial_carry(y0, f(y0, 0.0, p))
+    np.testing.assert_array_equal(carry0.stages.unpack(2), jnp.ones((6, 2)))
+    end = StepEnd(y0, method.replay_end(carry0))
+
+    def replay(y, p):
+        return method.replay_step(f, y, carry0, 0.0, 0.0, p, end)[0]
+
+    np.testing.assert_array_equal(replay(y0, p), y0)
+    d_y, d_p = jax.jacfwd(replay, argnums=(0, 1))(y0, p)
+    np.testing.assert_array_equal(d_y, jnp.eye(2))
+    np.testing.assert_array_equal(d_p, jnp.zeros(2))
 
 
 def test_stiff_method_defaults_to_the_checkpointed_adjoint(x64):

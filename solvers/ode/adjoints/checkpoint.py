@@ -45,8 +45,9 @@ class CheckpointAdjoint(AbstractAdjoint):
     factors with factors a batch no faster than one matrix after another: a wide
     band's blocked LU or a long narrow band's partitions, see
     `AbstractMethod.linearisation_solvers`); and a method whose stage equation's
-    solution the step's end holds (BDF's corrector, the end state; Radau5's stages, the
-    carry the step handed on) takes it from the record instead of iterating again.
+    solution the step's end holds (BDF's corrector, the end state; Radau5's and
+    ESDIRK's stages, the carry the step handed on) takes it from the record instead of
+    iterating again.
     Outputs inside a step (`interpolate=True`) are linear in the step's stages, so
     their cotangents join that pull-back. Memory: the record's step
     times and sizes (`2 max_steps`), its states and carries (at most `RECORD_MAX`

@@ -28,7 +28,8 @@ partitions), the steps are linearised one at a time there (`chunk_size`).
 The replay knows each step's end, its state and carry (the next step's start, the
 next checkpoint, or for the last step the solve's end, `loop.write_end`), and hands it
 to the method (`AbstractMethod.replay_step`): BDF takes the state as its corrector's
-solution, Radau5 the stages its carry holds, instead of iterating again.
+solution, Radau5 and the ESDIRK methods the stages its carry holds, instead of
+iterating again.
 
 A small solve that kept every step's start reads its record a block of steps at a
 time (`solvers.ode.blocks`): the loop over a block's steps then touches small copies

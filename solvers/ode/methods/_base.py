@@ -310,9 +310,10 @@ class AbstractMethod(abc.ABC):
         carry it handed on). By default the step is recomputed. A method whose stage
         equation has a solution the end holds takes it instead of iterating again, and
         the derivative is the same implicit one, taken at the same point: BDF's
-        corrector has `y1` itself, Radau IIA's stages are in the carry
-        (`radau5.StageStart`). Only the step's `y1`, carry values and stages are read
-        from a replay: its error estimate and `ok` need not be computed."""
+        corrector has `y1` itself, Radau IIA's and an ESDIRK method's stages are in the
+        carry (`radau5.StageStart`, `StageValues`). Only the step's `y1`, carry values
+        and stages are read from a replay: its error estimate and `ok` need not be
+        computed."""
         del end
         return self.step_with_stages(f, y, carry, t, h, params, tol=tol)
 
@@ -327,7 +328,8 @@ class AbstractMethod(abc.ABC):
     def replay_end(self, carry):
         """The part of a step's end carry (in `replay_carry` form, or a buffer of such
         carries) that `replay_step` reads (`StepEnd.carry`): by default none (`None`),
-        so the adjoint reads no carry at the steps' ends; Radau5 its stages."""
+        so the adjoint reads no carry at the steps' ends; Radau5 and ESDIRK their
+        stages."""
         del carry
         return None
 

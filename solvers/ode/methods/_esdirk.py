@@ -32,10 +32,11 @@ on): the program then holds the field, the Newton iteration and the stage solve 
 instead of once per stage. Measured with kvaerno5 (2-core CPU, `jit(grad)` of a
 solve: trace, lowering and XLA): HIRES (8 states) 7.3 -> 3.3 s, the 64-point
 Brusselator line (128) 12.3 -> 7.3 s, and ROBER (3) 5.0 -> 2.6 s with the loop forced;
-the forward solve is as fast, but the gradient of a whole solve ran 12-20% slower on
-HIRES and 5-30% on the Brusselator line (both forms timed in one process). A small
-system compiles quickly either way, so it keeps the unrolled stages and their faster
-gradient.
+the forward solve is as fast, but the gradient of a whole solve is slower: with
+replays that take the recorded stages, 2.5-2.7 ms against 1.5-1.8 on HIRES and
+12.1-13.7 against 11.7-12.9 on the Brusselator line (the fastest of 100 runs, both
+forms timed in one process). A small system compiles quickly either way, so it keeps
+the unrolled stages and their faster gradient.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class StageValues(Memory):
 
     Attributes:
         packed: `((stages - 1) * n,)`: stage `i`'s value in entries `(i - 1) n` to
-            `i n` (zeros before the first step).
+            `i n`. Before the first step, the start's value for every stage (those of
+            a step of size zero).
     """
 
     packed: Float[Array, ...]
@@ -132,8 +134,8 @@ class ESDIRK(TableauMethod):
             `throw=False` (a failed stage solve rejects the step).
         stage_loop: `True` runs the implicit stages as one loop, so the field, the
             Newton iteration and the stage solve are compiled once (`jit(grad)`
-            compiles in about half the time, the gradient of a solve runs 5-30%
-            slower: see the module); `False` writes them one after another; `None`
+            compiles in about half the time, the gradient of a solve runs up to
+            1.6 times as long: see the module); `False` writes them one after another; `None`
             (the default) loops from `ROLL_MIN_STATES` states on. A loop needs one
             diagonal value for all implicit stages.
     """
@@ -179,7 +181,7 @@ class ESDIRK(TableauMethod):
         return ((self.linear_solver, n),)
 
     def initial_carry(self, y0, k0) -> ESDIRKCarry:
-        packed = jnp.zeros(((self.tableau.stages - 1) * y0.shape[0],), y0.dtype)
+        packed = jnp.tile(jax.lax.stop_gradient(y0), self.tableau.stages - 1)
         return ESDIRKCarry(k=k0, stages=StageValues(packed=packed))
 
     def slope(self, carry: ESDIRKCarry):
@@ -272,7 +274,8 @@ class ESDIRK(TableauMethod):
         y1 = zs[-1] if self.stiffly_accurate else combine(y, h, tab.b, ks)
         k_next = ks[-1] if self.stiffly_accurate else f(y1, t + h, params)
         err = self.error(h, ks) if stages is None else jnp.zeros_like(y)
-        carry1 = ESDIRKCarry(k=k_next, stages=StageValues(packed=zs.reshape(-1)))
+        stage_values = StageValues(packed=jax.lax.stop_gradient(zs.reshape(-1)))
+        carry1 = ESDIRKCarry(k=k_next, stages=stage_values)
         return y1, err, carry1, ok, ks
 
     def _unrolled_stages(self, stage, lus, y, k1, t, h, known):
