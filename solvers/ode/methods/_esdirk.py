@@ -134,10 +134,10 @@ class ESDIRK(TableauMethod):
             `throw=False` (a failed stage solve rejects the step).
         stage_loop: `True` runs the implicit stages as one loop, so the field, the
             Newton iteration and the stage solve are compiled once (`jit(grad)`
-            compiles in about half the time, the gradient of a solve runs up to
-            1.6 times as long: see the module); `False` writes them one after another; `None`
-            (the default) loops from `ROLL_MIN_STATES` states on. A loop needs one
-            diagonal value for all implicit stages.
+            compiles in about half the time, the gradient of a solve runs up to 1.6
+            times as long: see the module); `False` writes them one after another;
+            `None` (the default) loops from `ROLL_MIN_STATES` states on. A loop needs
+            one diagonal value for all implicit stages.
     """
 
     linear_solver: LinearSolver = linear_solve.Dense(throw=False)
