@@ -207,19 +207,18 @@ class ESDIRK(TableauMethod):
         # The iteration matrices `I - h gamma J`, one per distinct diagonal, prepared by
         # the linear solver from Jacobian-vector products at the step's start. They only
         # steer the iteration (its derivative is implicit), so no gradient flows
-        # through them.
+        # through them. A replay (`stages` given) iterates with none.
         solver = self.linear_solver
-        jvp = jacobian_product(
-            f, jax.lax.stop_gradient(y), t, jax.tree_util.tree_map(jax.lax.stop_gradient, params)
-        )
-        lus, prev = {}, None
-        for g in sorted(set(tab.gamma[1:])):
-            if stages is not None:
-                lus[g] = None
-                continue
-            # One preparation after the other (see `after`).
-            hg = after(jnp.asarray(h * g, dt), prev)
-            lus[g] = prev = jax.lax.stop_gradient(solver.init(lambda v, hg=hg: v - hg * jvp(v), y))
+        lus = dict.fromkeys(sorted(set(tab.gamma[1:])))
+        if stages is None:
+            stat = jax.lax.stop_gradient
+            jvp = jacobian_product(f, stat(y), t, jax.tree_util.tree_map(stat, params))
+            prev = None
+            for g in lus:
+                # One preparation after the other (see `after`).
+                hg = after(jnp.asarray(h * g, dt), prev)
+                init = solver.init(lambda v, hg=hg: v - hg * jvp(v), y)
+                lus[g] = prev = stat(init)
         size = n if tol.size is None else tol.size
 
         def weighted_norm(dz, z):
