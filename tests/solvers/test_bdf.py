@@ -295,6 +295,7 @@ def test_difference_update_is_the_recurrence(x64, n):
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_history_as_products_is_the_history_by_rows(x64, monkeypatch):
     """A system of `HISTORY_PRODUCTS_MIN` states or more forms its prediction and
     updated differences as products with the differences (`_History`), a smaller one

@@ -127,7 +127,7 @@ def test_stiff_elements_ending_in_different_segments(x64, method):
     np.testing.assert_allclose(batch, each, rtol=1e-8)
 
 
-@pytest.mark.parametrize("layout", ["chunks", "blocks"])
+@pytest.mark.parametrize("layout", [pytest.param("chunks", marks=pytest.mark.slow), "blocks"])
 def test_one_solve_skips_the_steps_past_its_count(x64, monkeypatch, layout):
     """The sweep of one solve of 100 states or more (forced here) skips the steps past
     the solve's count, where a batch's sweep pulls them back masked. Segments of 8 steps

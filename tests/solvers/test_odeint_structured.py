@@ -512,11 +512,8 @@ def test_wide_band_gradient_linearised_step_by_step(x64, monkeypatch, method):
     np.testing.assert_allclose(g, exact, rtol=0, atol=2e-9)
 
 
-@pytest.mark.parametrize(
-    "method",
-    ["bdf", pytest.param("rodas5p", marks=pytest.mark.slow),
-     pytest.param("radau5", marks=pytest.mark.slow)],
-)  # fmt: skip
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["bdf", "rodas5p", "radau5"])
 def test_partitioned_band_on_a_long_line(x64, monkeypatch, method):
     """A long line of points with two fields each (600 states, bandwidths 2): the band
     is factored by partitions of its rows. `y(T) = expm(T A(p)) y0` and the gradient
