@@ -25,7 +25,8 @@ faster, ours' quickest method is also run at the loosest of a few multiples of t
 tolerances (`MATCH_FACTORS`) whose error is still at most SciPy's best's: the time at
 equal accuracy, measured rather than interpolated.
 
-Reported: forward time (median of repeats, compile time apart), accepted steps, the
+Reported: forward time (median of repeats, compile time apart), accepted steps (for
+ours also the Jacobians, factorisations and Newton iterations of `ODEInfo`), the
 error at the last time against SciPy's Radau at `rtol = 1e-12` (largest component
 error relative to `max(|y_ref|, atol)`), the time of `jit(grad)` of `sum(y(T))` with
 respect to the parameters (ours: the checkpointed adjoint, the stiff methods'
@@ -34,15 +35,16 @@ default; diffrax: its default `RecursiveCheckpointAdjoint`) and its compile time
 A work-precision diagram (error against time over tolerances) goes to
 `results/stiff.png`.
 
-The step-adjoint floor, for `rodas5p` on the small problems, is not a solver: the
-method's own step in a `lax.fori_loop` of equal steps (its cost does not depend on the
-step size: no iteration), and the same step linearised and pulled back with `jax.vjp`
-at stored states (up to 16 in turn, each buffer at most 512 bytes, so that the loop
-runs without XLA's task scheduler, as the sweep's blocks do). An adjoint that
-recomputes its steps pays a forward step and a pull-back per step, so
-`1 + pull-back / forward` is the gradient's ratio to the forward time of a solve made
-of these steps alone. A real solve's forward time also holds its rejected attempts,
-step-size control and outputs, so its ratio may fall below that.
+The step-adjoint floor of each of our methods on the small problems is not a solver:
+the method's step linearised and pulled back with `jax.vjp` at stored states (up to 16
+in turn, each buffer at most 512 bytes, so that the loop runs without XLA's task
+scheduler, as the sweep's blocks do), through `replay_step` as the checkpointed
+adjoint's sweep pulls each accepted step back: given the step's end, an implicit
+method's pull-back is the implicit derivative of its stage equations, with no
+iteration. The adjoint runs the forward solve (recording it) and pulls back each
+accepted step, so `1 + steps x pull-back / forward` bounds the gradient's ratio to the
+forward time from below; what a gradient costs above it is the sweep's own work
+(reading the record, the output cotangents, replays of segments not kept).
 
 Usage::
 
@@ -226,7 +228,7 @@ def ours(prob: Problem, method: str, rtol: float, atol: float):
 
     def solve(p):
         ys, info = odeint(field, y0, ts, p, return_info=True, **kw)
-        return ys[-1], info.steps
+        return ys[-1], _counts(info)
 
     def loss(p):
         ys = odeint(field, y0, ts, p, **kw)
@@ -313,6 +315,23 @@ class Row:
     grad: float | None = None
     grad_compile: float | None = None
     note: str = ""
+    work: tuple[int, int, int] | None = None  # ours: Jacobians, factorisations, Newton its
+
+
+def _counts(info):
+    """What `ours` reports of a solve: its steps, Jacobians, factorisations and Newton
+    iterations, as one array."""
+    return jnp.stack(
+        [info.steps, info.num_jacobians, info.num_factorisations, info.num_newton_iterations]
+    )
+
+
+def first_row(name: str, out, ref: np.ndarray, atol: float) -> Row:
+    """The row of a first call `out = (y(T), steps)` (ours: `_counts` as the steps)."""
+    y, counts = jax.block_until_ready(out)
+    counts = np.atleast_1d(np.asarray(counts))
+    work = tuple(int(c) for c in counts[1:]) if counts.size > 1 else None
+    return Row(name, steps=int(counts[0]), err=error(y, ref, atol), work=work)
 
 
 #: Each timed implementation gets at least this many seconds of samples (more rounds
@@ -353,8 +372,7 @@ def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
         solves[name], losses[name] = diffrax_solver(prob.for_peers(), prob.rtol, prob.atol, solver)
     for name, solve in solves.items():
         log(f"  {prob.name}: {name} forward")
-        y, steps = jax.block_until_ready(solve(p))
-        rows[name] = Row(name, steps=int(steps), err=error(y, ref, prob.atol))
+        rows[name] = first_row(name, solve(p), ref, prob.atol)
     # Per-call medians, the implementations taking turns.
     med = interleaved(solves, rounds=rounds, block=1, budget=20.0, args=(p,), min_time=MIN_TIME)
     for name, t in med.items():
@@ -382,65 +400,75 @@ def measure(prob: Problem, mode: str, ref: np.ndarray) -> list[Row]:
     return list(rows.values())
 
 
-#: The method, loop length and stored states of the step-adjoint floor (see the module).
-FLOOR_METHOD, FLOOR_STEPS, FLOOR_ROWS = "rodas5p", 256, 16
-#: The problems with a floor row: no mass matrix, at most this many states.
-FLOOR_MAX_STATES = 16
+#: Pull-backs per timed call and stored states of the step-adjoint floor (see the
+#: module).
+FLOOR_STEPS, FLOOR_ROWS = 256, 16
+#: The problems with floor rows: no mass matrix, at most this many states.
+FLOOR_MAX_STATES = 32
 
 
-def step_floor(prob: Problem, method: str = FLOOR_METHOD) -> tuple[float, float]:
-    """`(forward, pull_back)`: seconds per step of `method`'s step in a loop of equal
-    steps, and of the step linearised and pulled back at stored states (see the
-    module)."""
+def step_floor(prob: Problem, method: str) -> float:
+    """Seconds per step of `method`'s step pulled back with `jax.vjp` at stored states,
+    as the checkpointed adjoint pulls back each accepted step: through `replay_step`,
+    given the step's end, so that an implicit method's pull-back is its implicit
+    derivative, without iterating (see the module)."""
     from solvers.ode.blocks import SEQUENTIAL_BYTES
-    from solvers.ode.methods import METHODS, StageTolerance
+    from solvers.ode.methods import (
+        METHODS,
+        StageTolerance,
+        StepEnd,
+        combine_carry,
+        partition_carry,
+    )
 
-    m, tol, n = METHODS[method], StageTolerance(), FLOOR_STEPS
+    m, n = METHODS[method], FLOOR_STEPS
+    tol = StageTolerance(rtol=prob.rtol, atol=prob.atol)
     p = (jnp.asarray(prob.p),)
     y0 = jnp.asarray(prob.y0)
     rows = max(1, min(FLOOR_ROWS, SEQUENTIAL_BYTES // y0.nbytes))
     h = 1e-6 * prob.t1
+    tree = jax.tree_util.tree_map
 
     def f(y, t, p):
         return prob.f(y, t, p[0], jnp)
 
-    k0 = f(y0, 0.0, p)
-
-    def step(y, k, t, p):
-        y1, _, k1, _, _ = m.step_with_stages(f, y, k, t, h, p, tol=tol)
-        return y1, k1
-
-    def forward(p):
-        def body(i, c):
-            return step(*c, i * h, p)
-
-        return jax.lax.fori_loop(0, n, body, (y0, k0))
-
     def states(p):
+        # `rows + 1` step starts, each carry as the record keeps it (`replay_carry`).
         def body(c, i):
-            y1, k1 = step(*c, i * h, p)
-            return (y1, k1), c
+            y, carry = c
+            y1, _, carry1, _, _ = m.step_with_stages(f, y, carry, i * h, h, p, tol=tol)
+            return (y1, carry1), (y, m.replay_carry(carry))
 
-        return jax.lax.scan(body, (y0, k0), jnp.arange(rows))[1]
+        carry0 = m.initial_carry(y0, f(y0, 0.0, p))
+        return jax.lax.scan(body, (y0, carry0), jnp.arange(rows + 1))[1]
 
-    def backward(p, ys, ks):
+    def backward(p, ys, carries):
         def body(j, c):
             i = (n - 1 - j) % rows
-            a, k_bar, p_bar = c
-            _, pullback = jax.vjp(lambda y, k, p: step(y, k, i * h, p), ys[i], ks[i], p)
-            da, dk, dp = pullback((a, k_bar))
-            return da, dk, jax.tree_util.tree_map(jnp.add, p_bar, dp)
+            a, v_bar, p_bar = c
+            values, memory = partition_carry(tree(lambda b: b[i], carries))
+            end = StepEnd(ys[i + 1], m.replay_end(tree(lambda b: b[i + 1], carries)))
 
-        zero = jax.tree_util.tree_map(jnp.zeros_like, p)
-        return jax.lax.fori_loop(0, n, body, (jnp.ones_like(y0), jnp.zeros_like(k0), zero))
+            def step(y, values, p):
+                carry = combine_carry(values, memory)
+                y1, _, carry1, _, _ = m.replay_step(f, y, carry, i * h, h, p, end, tol=tol)
+                return y1, partition_carry(m.replay_carry(carry1))[0]
 
-    ys, ks = jax.jit(states)(p)
-    fwd, bwd = jax.jit(forward), jax.jit(backward)
+            _, pullback = jax.vjp(step, ys[i], values, p)
+            da, dv, dp = pullback((a, v_bar))
+            return da, dv, tree(jnp.add, p_bar, dp)
+
+        values0 = partition_carry(tree(lambda b: b[0], carries))[0]
+        init = (jnp.ones_like(y0), tree(jnp.zeros_like, values0), tree(jnp.zeros_like, p))
+        return jax.lax.fori_loop(0, n, body, init)
+
+    ys, carries = jax.jit(states)(p)
+    bwd = jax.jit(backward)
     med = interleaved(
-        {"forward": lambda: fwd(p), "pull-back": lambda: bwd(p, ys, ks)},
+        {"pull-back": lambda: bwd(p, ys, carries)},
         rounds=5, block=1, budget=10.0, args=(), min_time=MIN_TIME,
     )  # fmt: skip
-    return med["forward"] / n, med["pull-back"] / n
+    return med["pull-back"] / n
 
 
 def work_precision(prob: Problem, tols: list[float], ref: np.ndarray) -> dict[str, list]:
@@ -657,7 +685,7 @@ def ours_large(prob: Large, method: str, default: bool = False):
 
     def solve(p):
         ys, info = odeint(field, y0, ts, p, return_info=True, **kw)
-        return ys[-1], info.steps
+        return ys[-1], _counts(info)
 
     def loss(p):
         return jnp.sum(odeint(field, y0, ts, p, **kw)[-1])
@@ -683,8 +711,7 @@ def measure_large(prob: Large, mode: str, ref: np.ndarray) -> list[Row]:
         )
     for name, solve in solves.items():
         log(f"  {prob.name}: {name} forward")
-        y, steps = jax.block_until_ready(solve(p))
-        rows[name] = Row(name, steps=int(steps), err=error(y, ref, prob.atol))
+        rows[name] = first_row(name, solve(p), ref, prob.atol)
     med = interleaved(solves, rounds=rounds, block=1, budget=30.0, args=(p,), min_time=MIN_TIME)
     for name, t in med.items():
         rows[name].forward = t
@@ -749,15 +776,14 @@ def at_scipy_accuracy(prob: Large, rows: list[Row], ref: np.ndarray, rounds: int
     for factor in MATCH_FACTORS:
         looser = dataclasses.replace(prob, rtol=prob.rtol * factor, atol=prob.atol * factor)
         solve, _ = ours_large(looser, method, default="default" in best.impl)
-        y, steps = jax.block_until_ready(solve(p))
-        err = error(y, ref, prob.atol)
+        first = first_row(name := f"{best.impl} {MATCHED}", solve(p), ref, prob.atol)
+        err = first.err
         log(f"  {prob.name}: {best.impl} at rtol x{factor:g}: error {err:.2e}")
         if err <= best_sp.err:
-            name = f"{best.impl} {MATCHED}"
             t = interleaved({name: solve}, rounds=rounds, block=1, budget=30.0, args=(p,),
                             min_time=MIN_TIME)[name]  # fmt: skip
             note = f"rtol, atol x{factor:g}: {looser.rtol:.2g}, {looser.atol:.2g}"
-            return Row(name, forward=t, steps=int(steps), err=err, note=note)
+            return dataclasses.replace(first, forward=t, note=note)
     return None
 
 
@@ -769,9 +795,9 @@ def _table(prob, rows) -> list[str]:
     lines = [
         f"### {prob.name}, to t = {prob.t1:g}, rtol {prob.rtol:g}, atol {prob.atol:g}",
         "",
-        "| implementation | forward (ms) | steps | error at T | grad (ms) | "
-        "grad / forward | jit(grad) compile (s) | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| implementation | forward (ms) | steps | Jacobians / LUs / Newton its | "
+        "error at T | grad (ms) | grad / forward | jit(grad) compile (s) | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ms = None if r.forward is None else 1e3 * r.forward
@@ -779,7 +805,8 @@ def _table(prob, rows) -> list[str]:
         gf = None if r.grad is None or not r.forward else r.grad / r.forward
         lines.append(
             f"| {r.impl} | {fmt(ms)} | {r.steps if r.steps is not None else 'n/a'} | "
-            f"{sci(r.err)} | {fmt(gms)} | {ratio(gf) if gf else 'n/a'} | "
+            f"{' / '.join(map(str, r.work)) if r.work else 'n/a'} | {sci(r.err)} | "
+            f"{fmt(gms)} | {ratio(gf) if gf else 'n/a'} | "
             f"{fmt(r.grad_compile)} | {r.note} |"
         )
     lines.append("")
@@ -788,28 +815,31 @@ def _table(prob, rows) -> list[str]:
 
 def _floor_table(results, floors) -> list[str]:
     lines = [
-        f"### Step-adjoint floor ({FLOOR_METHOD})",
+        "### Step-adjoint floor",
         "",
-        f"Not a solver: {FLOOR_STEPS} equal steps of `{FLOOR_METHOD}` in a loop, and the "
-        "same step linearised and pulled back with `jax.vjp` at stored states (see the "
-        "module). `1 + pull-back / forward` is the gradient's ratio to the forward time "
-        "of a solve made of these steps alone, its adjoint recomputing each step; a real "
-        "solve's forward also holds rejected attempts and step-size control.",
+        "Not a solver: each method's step pulled back with `jax.vjp` at stored states, "
+        f"{FLOOR_STEPS} times in a loop, as the checkpointed adjoint pulls back each "
+        "accepted step (through `replay_step`: an implicit method's implicit derivative, "
+        "no iteration; see the module). A gradient costs at least the forward solve "
+        "and one such pull-back per accepted step: `1 + steps x pull-back / forward`.",
         "",
-        "| problem | forward step (us) | pull-back of a step (us) | floor: grad / forward | "
-        "ours: grad / forward |",
-        "|---|---:|---:|---:|---:|",
+        "| problem | method | pull-back of a step (us) | steps | forward (ms) | "
+        "floor: grad / forward | ours: grad / forward |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for prob, rows in results:
-        if prob.name not in floors:
-            continue
-        fwd, back = floors[prob.name]
-        r = {row.impl: row for row in rows}[f"ours ({FLOOR_METHOD})"]
-        ours_ratio = ratio(r.grad / r.forward) if r.grad and r.forward else "n/a"
-        lines.append(
-            f"| {prob.name} | {fmt(1e6 * fwd)} | {fmt(1e6 * back)} | "
-            f"{ratio(1 + back / fwd)} | {ours_ratio} |"
-        )
+        by_impl = {row.impl: row for row in rows}
+        for method in prob.methods:
+            back = floors.get((prob.name, method))
+            r = by_impl.get(f"ours ({method})")
+            if back is None or r is None or not r.forward or not r.steps:
+                continue
+            floor = 1 + r.steps * back / r.forward
+            ours_ratio = ratio(r.grad / r.forward) if r.grad else "n/a"
+            lines.append(
+                f"| {prob.name} | {method} | {fmt(1e6 * back)} | {r.steps} | "
+                f"{fmt(1e3 * r.forward)} | {ratio(floor)} | {ours_ratio} |"
+            )
     lines.append("")
     return lines
 
@@ -976,8 +1006,9 @@ def main(argv: list[str] | None = None) -> int:
     floors = {}
     for prob, _ in results:
         if prob.mass is None and len(prob.y0) <= FLOOR_MAX_STATES:
-            log(f"{prob.name}: step-adjoint floor ({FLOOR_METHOD})")
-            floors[prob.name] = step_floor(prob)
+            for method in prob.methods:
+                log(f"{prob.name}: step-adjoint floor ({method})")
+                floors[(prob.name, method)] = step_floor(prob, method)
     tols = (
         [1e-4, 1e-6, 1e-8] if opts.mode == "quick" else [1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10]
     )

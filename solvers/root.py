@@ -72,9 +72,10 @@ def root(
         *args: parameters passed to `f`: pytrees of arrays, differentiable.
         method: `"newton"` (Jacobian by autodiff at every step, one linear
             solve per step: quadratic convergence), `"chord"` (the Jacobian at
-            `x0` factorised once and reused: cheaper steps, linear convergence),
-            `"broyden"` (Broyden's "good" rank-one updates of the inverse
-            Jacobian, starting from the exact one at `x0`: superlinear), or
+            `x0` prepared once by `linear_solver`, for `Dense` factorised once, and
+            reused: cheaper steps, linear convergence), `"broyden"` (Broyden's
+            "good" rank-one updates of the inverse Jacobian, a dense matrix,
+            starting from the exact one at `x0`: superlinear), or
             `"bisection"` (scalar `x` only, needs `bracket`; always converges
             when `f` changes sign over it).
         rtol: relative tolerance: converged when the last step satisfies
@@ -84,8 +85,9 @@ def root(
         max_steps: the most iterations before giving up (a Python int).
         bracket: `(lower, upper)` with `f(lower)` and `f(upper)` of opposite signs;
             required by (and only used by) `"bisection"`. May be traced.
-        linear_solver: how systems with the Jacobian are solved, in Newton steps
-            and in the derivatives: a `implicitdiff.linear_solve.LinearSolver`,
+        linear_solver: how systems with the Jacobian are solved, in Newton and
+            chord steps and in the derivatives (Broyden's steps use their dense
+            inverse): a `implicitdiff.linear_solve.LinearSolver`,
             e.g. `linear_solve.GMRES(rtol=1e-12)` (the derivatives prepare it once
             at the root: `Dense()` factors the Jacobian once for forward and
             reverse mode), a name as an alias of one with default options
@@ -271,13 +273,18 @@ def _globalised_loop(g_flat, flat0, state0, direction, update, rtol, atol, max_s
     return _finish(g_flat, x, ratio, steps, finite)
 
 
+def _quiet(solve):
+    """`solve` with `throw=False` where it has that option: a step's accuracy is
+    judged by the iteration, not by the linear solve."""
+    if dataclasses.is_dataclass(solve) and getattr(solve, "throw", False):
+        return dataclasses.replace(solve, throw=False)
+    return solve
+
+
 def _newton(g, x0, *, rtol, atol, max_steps, linear_solver):
     """Newton's method, matrix-free: each step solves `J(x) dx = -f(x)` with `linear_solver`,
     then backtracks along `dx` (`_backtrack`)."""
-    solve = linear_solver
-    if dataclasses.is_dataclass(solve) and getattr(solve, "throw", False):
-        # A step's accuracy is judged by the iteration, not by the linear solve.
-        solve = dataclasses.replace(solve, throw=False)
+    solve = _quiet(linear_solver)
     flat0, unravel, g_flat = _flat(g, x0)
 
     def direction(state, x, fx):
@@ -293,18 +300,31 @@ def _newton(g, x0, *, rtol, atol, max_steps, linear_solver):
 
 
 def _chord(g, x0, *, rtol, atol, max_steps, linear_solver):
-    """The chord method: the Jacobian at `x0`, LU-factorised once, for every step."""
-    del linear_solver  # reusing one factorisation is the point of the method
+    """The chord method: the Jacobian at `x0`, prepared once by `linear_solver` (a
+    `LinearSolver`: `Dense` factors it once, `Banded` or `Sparse` by their structure,
+    a Krylov solver iterates with its products), for every step; a plain function
+    `solve(matvec, b)` is called with the same products at every step."""
+    solve = _quiet(linear_solver)
     flat0, unravel, g_flat = _flat(g, x0)
-    lu = jax.scipy.linalg.lu_factor(jax.jacfwd(g_flat)(flat0))
+    _, jvp0 = jax.linearize(g, x0)
+    if isinstance(solve, linear_solve.LinearSolver):
+        state0 = solve.init(jvp0, x0)
 
-    def direction(lu, x, fx):
-        return -jax.scipy.linalg.lu_solve(lu, fx)
+        def solve_once(state, b):
+            return solve.solve(state, b)
+    else:
+        state0 = None
 
-    def update(lu, dx, fx, f_new):
-        return lu
+        def solve_once(state, b):
+            return solve(jvp0, b)
 
-    x, info = _globalised_loop(g_flat, flat0, lu, direction, update, rtol, atol, max_steps)
+    def direction(state, x, fx):
+        return ravel_pytree(solve_once(state, unravel(-fx)))[0]
+
+    def update(state, dx, fx, f_new):
+        return state
+
+    x, info = _globalised_loop(g_flat, flat0, state0, direction, update, rtol, atol, max_steps)
     return unravel(x), info
 
 

@@ -15,6 +15,7 @@ derivative includes the motion of `t*`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from implicitdiff.internal import closure_convert
 
 from .._checks import not_in_checked_shard_map, static_bool, status_returned
 from .adjoints import AbstractAdjoint
-from .info import EVENT, MAX_STEPS, SUCCESS, ODEInfo
+from .info import EVENT, MAX_STEPS, SUCCESS
 from .loop import LoopConfig
 from .methods import AbstractMethod, resolve_method
 from .odeint import odeint, positive, real_form
@@ -177,15 +178,8 @@ def odeint_event(
     ys = odeint(func, y0, jnp.stack([t0, t_event]), *args, adjoint=adjoint, **options)
     y_event = jax.tree_util.tree_map(lambda v: v[-1], ys)
     if return_info:
-        info = ODEInfo(
-            steps=stats.steps,
-            rejected=stats.rejected,
-            num_fevals=stats.num_fevals,
-            num_jacobians=stats.num_jacobians,
-            num_factorisations=stats.num_factorisations,
-            num_stage_failures=stats.num_stage_failures,
-            t_final=jax.lax.stop_gradient(t_event),
-            status=status.astype(jnp.int32),
+        info = dataclasses.replace(
+            stats, t_final=jax.lax.stop_gradient(t_event), status=status.astype(jnp.int32)
         )
         return t_event, y_event, info
     return t_event, y_event

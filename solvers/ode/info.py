@@ -31,6 +31,13 @@ class ODEInfo(eqx.Module):
             (one per distinct diagonal value per attempt that factored).
         num_stage_failures: attempts rejected because their stage equations were
             not solved (Newton's iteration diverged or ran out of iterations).
+        num_newton_iterations: simplified Newton iterations spent on the stage
+            equations by every attempt (summed over an attempt's stages, and over a
+            retry with a fresh iteration matrix); none for an explicit or a Rosenbrock
+            method, whose stages are explicit or linear. Over `steps + rejected`, the
+            average per attempt: 1 to 3 is typical of a well-tuned stiff solve, many
+            more points to a Jacobian that goes stale fast (consider a smaller
+            tolerance for reuse, or another method).
         t_final: the time reached (`t[-1]` on success).
         status: `SUCCESS` (0), `MAX_STEPS` (1: `mxstep` attempts in one output
             interval, or more than `max_steps` steps recorded for the checkpointed
@@ -44,6 +51,7 @@ class ODEInfo(eqx.Module):
     num_jacobians: Int[Array, ...]
     num_factorisations: Int[Array, ...]
     num_stage_failures: Int[Array, ...]
+    num_newton_iterations: Int[Array, ...]
     t_final: Float[Array, ...]
     status: Int[Array, ...]
 

@@ -34,7 +34,7 @@ from . import controller, progress
 from .blocks import block_size, is_rows
 from .controller import ERR_ACC_MIN
 from .info import DT_UNDERFLOW, EVENT, MAX_STEPS, NONFINITE, SUCCESS
-from .methods import AbstractMethod, StageTolerance, select
+from .methods import AbstractMethod, StageTolerance, select, stage_report
 from .state import RecordBuffers, StepState
 
 __all__ = [
@@ -263,6 +263,8 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
     last = to_end <= h * (1.01 if method.adaptive else 1 + 64 * eps)
     h_step = jnp.where(last, to_end, h)
     y1, err, k1, ok, ks = step(y, k, t, h_step.astype(tdt), params, cfg.stage_tol)
+    report = stage_report(ok)
+    ok = report.converged
     t1 = jnp.where(last, target, t + h_step)
     slope1 = method.slope(k1)
     jac_work, lu_work = method.attempt_work(k1)
@@ -313,6 +315,7 @@ def attempt(cfg: LoopConfig, step, f, params, span, target, s: StepState, rec):
         acc=acc,
         rej=s.rej + (live & ~accept).astype(jnp.int32),
         failed=s.failed + (live & ~ok).astype(jnp.int32),
+        iterations=s.iterations + live.astype(jnp.int32) * report.iterations,
         jacobians=s.jacobians + live.astype(jnp.int32) * jnp.asarray(jac_work, jnp.int32),
         factorisations=s.factorisations + live.astype(jnp.int32) * jnp.asarray(lu_work, jnp.int32),
         h_acc=jax.lax.stop_gradient(jnp.where(accept, h_step, s.h_acc).astype(tdt)),
@@ -443,6 +446,7 @@ def initial_state(
         acc=zero,
         rej=zero,
         failed=zero,
+        iterations=zero,
         tries=zero,
         status=status0,
         jacobians=zero,

@@ -129,6 +129,7 @@ def integrate(f, y0, ts, params, cfg: LoopConfig, step=None, carry0=None) -> Int
         num_jacobians=state.jacobians,
         num_factorisations=state.factorisations,
         num_stage_failures=state.failed,
+        num_newton_iterations=state.iterations,
         t_final=state.t,
         status=state.status,
     )

@@ -181,6 +181,7 @@ def _info_avals(tdt):
         num_jacobians=i32,
         num_factorisations=i32,
         num_stage_failures=i32,
+        num_newton_iterations=i32,
         t_final=jax.ShapeDtypeStruct((), tdt),
         status=i32,
     )

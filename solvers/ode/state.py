@@ -23,6 +23,7 @@ class StepState(eqx.Module):
         rej: rejected attempts.
         failed: attempts whose stage equations were not solved (an implicit method's
             Newton iteration diverged or ran out of iterations).
+        iterations: Newton iterations the attempts spent on their stage equations.
         tries: attempts since the last output time (for `mxstep`).
         jacobians: Jacobians the attempts evaluated.
         factorisations: stage-matrix factorisations the attempts made.
@@ -40,6 +41,7 @@ class StepState(eqx.Module):
     acc: Int[Array, ...]
     rej: Int[Array, ...]
     failed: Int[Array, ...]
+    iterations: Int[Array, ...]
     tries: Int[Array, ...]
     status: Int[Array, ...]
     jacobians: Int[Array, ...]

@@ -23,6 +23,11 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 REFS = load_references()
 
 
+def _converged(ok):
+    """Whether a step's stage equations were solved (its `ok`, a bool or a report)."""
+    return ode_methods.stage_report(ok).converged
+
+
 def _rel(a, b):
     a, b = np.asarray(a), np.asarray(b)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
@@ -160,8 +165,74 @@ def test_info_counts_jacobians_factorisations_and_stage_failures(x64, method):
     failures = int(info.num_stage_failures)
     if method == "kvaerno5":
         assert 0 < failures <= int(info.rejected)
+        # Six implicit stages an attempt, each taking at least one iteration.
+        assert int(info.num_newton_iterations) >= 6 * attempts
     else:
         assert failures == 0
+        assert int(info.num_newton_iterations) == 0  # nothing to iterate on
+
+
+#: A linear field with a stiff and a slow component.
+_LINEAR = np.array([[-1000.0, 1.0], [0.0, -0.5]])
+#: The implicit stage equations of one step: ESDIRK's stages after the explicit first,
+#: Radau IIA's three solved together, BDF's corrector.
+_IMPLICIT_SOLVES = {"kvaerno5": 6, "radau5": 1, "bdf": 1}
+
+
+def _linear(y, t, scale):
+    return scale * (jnp.asarray(_LINEAR) @ y)
+
+
+@pytest.mark.parametrize("method", sorted(_IMPLICIT_SOLVES))
+def test_a_linear_stage_equation_takes_two_newton_iterations(x64, method):
+    """Simplified Newton on a linear field, whose iteration matrix at the step's start
+    is exact: the first correction solves each stage equation to rounding, and the
+    second, a rounding-sized correction, confirms it. A first step starts far from the
+    solution (the correction is thousands of tolerances), so a solve that starts with
+    no contraction rate (Radau IIA, BDF, an ESDIRK method's first implicit stage) stops
+    after exactly two. ESDIRK's later stages start from the rate of the stage before,
+    whose tiny rate lets some of them stop after their one exact correction."""
+    m = ode_methods.METHODS[method]
+    y0, p = jnp.array([1.0, 2.0]), (jnp.asarray(1.0),)
+
+    def f(y, t, p):  # as a method calls the field: the parameters as a tuple
+        return _linear(y, t, *p)
+
+    carry = m.initial_carry(y0, f(y0, 0.0, p))
+    tol = ode_methods.StageTolerance(rtol=1e-6, atol=1e-9)
+    ok = m.step_with_stages(f, y0, carry, 0.0, 0.01, p, tol=tol)[3]
+    report = ode_methods.stage_report(ok)
+    assert bool(report.converged)
+    solves = _IMPLICIT_SOLVES[method]
+    if method == "kvaerno5":
+        assert 2 + (solves - 1) <= int(report.iterations) < 2 * solves
+    else:
+        assert int(report.iterations) == 2
+
+
+@pytest.mark.parametrize("method", ["kvaerno5", "radau5"])
+def test_info_counts_newton_iterations_per_element(x64, method):
+    """Over a solve of the linear field, every stage equation takes one or two
+    iterations (one where the start is already within the stopping test: the
+    extrapolated start of a step like the last); under `vmap`, each element counts its
+    own attempts only, the same as solved alone."""
+
+    def solve(scale):
+        return odeint(_linear, jnp.array([1.0, 2.0]), jnp.array([0.0, 5.0]), scale,
+                      method=method, rtol=1e-6, atol=1e-9, return_info=True)[1]  # fmt: skip
+
+    scales = jnp.array([1.0, 40.0])
+    batched = jax.jit(jax.vmap(solve))(scales)
+    for i, scale in enumerate(scales):
+        alone = jax.jit(solve)(scale)
+        attempts = int(alone.steps) + int(alone.rejected)
+        solves = _IMPLICIT_SOLVES[method] * attempts
+        iterations = int(alone.num_newton_iterations)
+        assert solves <= iterations <= 2 * solves, (iterations, solves)
+        assert int(batched.num_newton_iterations[i]) == iterations
+        assert int(batched.steps[i]) == int(alone.steps)
+    # The stiffer element takes more steps, so a count over the batch would show it.
+    assert int(batched.steps[1]) > int(batched.steps[0])
 
 
 @pytest.mark.slow
@@ -795,7 +866,7 @@ def _assert_same_step(rolled, unrolled, dtype):
     of them (1e-12 in float64; in float32 the check is mostly that every result keeps
     the state's precision)."""
     y1, err, carry1, ok, ks = rolled
-    assert bool(ok) and bool(unrolled[3])
+    assert bool(_converged(ok)) and bool(_converged(unrolled[3]))
     ours, theirs = (jax.tree_util.tree_leaves(c) for c in (carry1, unrolled[2]))
     leaves = list(zip([y1, err, *ours, *ks], [*unrolled[:2], *theirs, *unrolled[4]], strict=True))
     scale = max(float(jnp.max(jnp.abs(b))) for _, b in leaves)
@@ -874,8 +945,8 @@ def test_esdirk_stages_in_a_loop_are_the_unrolled_stages(x64, dtype):
         return f(y, s, p) + bump * jnp.sin(y) ** 2
 
     for form in (step, unrolled_step):
-        assert not bool(form.step_with_stages(g, y, carry, t, h, p, tol=tight)[3])
-        assert bool(form.step_with_stages(f, y, carry, t, h, p, tol=tight)[3])
+        assert not bool(_converged(form.step_with_stages(g, y, carry, t, h, p, tol=tight)[3]))
+        assert bool(_converged(form.step_with_stages(f, y, carry, t, h, p, tol=tight)[3]))
 
 
 def _esdirk_forms():
@@ -929,7 +1000,7 @@ def test_esdirk_replay_takes_the_stages_its_step_handed_on(x64, form):
         return y1, carry1, ok, ks
 
     y1, carry1, ok, ks = step(y, p)
-    assert bool(ok)
+    assert bool(_converged(ok))
     end = StepEnd(y1, method.replay_end(carry1))
 
     def replay(y, p):
@@ -1051,7 +1122,7 @@ def test_stiffly_accurate_step_ends_on_its_last_stage(x64):
     h = 1e-4
     carry = m.initial_carry(y, f(y, 0.0, p))
     y1, _, carry1, ok, ks = m.step_with_stages(f, y, carry, 0.0, h, p, tol=tol)
-    assert bool(ok)
+    assert bool(_converged(ok))
     k_next = carry1.k
     np.testing.assert_array_equal(k_next, ks[-1])
     np.testing.assert_array_equal(carry1.stages.unpack(y.shape[0])[-1], y1)

@@ -286,6 +286,39 @@ def test_linear_solvers_give_the_same_derivatives(x64, linear_solver):
     np.testing.assert_allclose(fwd, jinv, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    "linear_solver",
+    ["dense", linear_solve.Banded(1, 1), linear_solve.GMRES(rtol=1e-13), "function"],
+    ids=str,
+)
+def test_chord_steps_solve_with_the_linear_solver(x64, linear_solver):
+    """The chord method prepares the Jacobian at `x0` once with `linear_solver` and
+    solves with it at every step: on a tridiagonal system a band solver and GMRES take
+    the dense LU's steps to the same root; a solver that returns half the solution
+    (damped steps) converges, slower, which shows its solves are the steps'."""
+    n = 6
+    m = jnp.asarray(
+        3.0 * np.eye(n) + np.diag(np.full(n - 1, 0.4), 1) - np.diag(np.full(n - 1, 0.3), -1)
+    )
+    b = jnp.linspace(-1.0, 1.0, n)
+
+    def solve(solver):
+        return root(_cubic, jnp.zeros(n), m, b, method="chord", rtol=1e-12, atol=1e-12,
+                    linear_solver=solver, return_info=True)  # fmt: skip
+
+    x_dense, info_dense = solve("dense")
+    if linear_solver == "function":
+        dense = linear_solve.Dense()
+        x, info = solve(lambda matvec, rhs: 0.5 * dense(matvec, rhs))
+        assert int(info.steps) > int(info_dense.steps) + 10
+    else:
+        x, info = solve(linear_solver)
+        assert abs(int(info.steps) - int(info_dense.steps)) <= 1
+    assert int(info.status) == SUCCESS
+    np.testing.assert_allclose(_cubic(x, m, b), 0.0, atol=1e-11)
+    np.testing.assert_allclose(x, x_dense, rtol=1e-11, atol=1e-12)
+
+
 def _cubic_hessian(m, b, c):
     """The Hessian in `b` of `c . x(b)` for `_cubic`: differentiating `J dx = db` twice,
     `x_jk = -J^-1 (0.6 x * X_j * X_k)` with `X = J^-1`, so `H = -0.6 X^T diag(w x) X`

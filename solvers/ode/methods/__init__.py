@@ -26,11 +26,13 @@ from ._base import (
     AbstractMethod,
     ButcherTableau,
     Memory,
+    StageReport,
     StageTolerance,
     StepEnd,
     combine_carry,
     partition_carry,
     select,
+    stage_report,
 )
 from ._esdirk import ESDIRK, ESDIRKCarry, StageValues
 from ._reuse import FactorMemory
@@ -51,12 +53,14 @@ from .tsit5 import Tsit5
 __all__ = [
     "AbstractMethod",
     "ButcherTableau",
+    "StageReport",
     "StageTolerance",
     "StepEnd",
     "Memory",
     "partition_carry",
     "combine_carry",
     "select",
+    "stage_report",
     "TableauMethod",
     "ExplicitRungeKutta",
     "ESDIRK",

@@ -6,9 +6,11 @@ A method advances a flat state vector by one step:
     step_with_stages(f, y, carry, t, h, params, tol) -> (y1, y_error, carry1, ok, stages)
 
 where `f(y, t, params)` is the flattened vector field, `y_error` the embedded error
-estimate (zeros for a fixed-step method), `ok` False when an implicit stage solve
-failed (the step is then retried smaller) and `stages` the stage derivatives, from
-which the interpolant inside the step is built (`solvers.ode.interpolation`).
+estimate (zeros for a fixed-step method), `ok` whether the stage equations were
+solved (a bool, or a `StageReport` with the Newton iterations spent, from a method
+that iterates; a step whose stages failed is retried smaller) and `stages` the stage
+derivatives, from which the interpolant inside the step is built
+(`solvers.ode.interpolation`).
 
 `carry` is what a method hands from one accepted step to the next. For most methods
 it is `f` at `(t, y)` as the previous step computed it (first same as last, or the
@@ -38,6 +40,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Int
 
 from implicitdiff.internal import any_over_batch
 
@@ -47,6 +50,7 @@ __all__ = [
     "AbstractMethod",
     "ButcherTableau",
     "Memory",
+    "StageReport",
     "StageTolerance",
     "StepEnd",
     "after",
@@ -58,6 +62,7 @@ __all__ = [
     "lower_triangle",
     "partition_carry",
     "select",
+    "stage_report",
 ]
 
 
@@ -229,6 +234,37 @@ class StageTolerance:
     rtol: float = 1e-6
     atol: float = 1e-6
     size: int | None = None
+
+
+class StageReport(eqx.Module):
+    """How a step attempt solved its stage equations (the `ok` a step of an iterating
+    method returns).
+
+    Attributes:
+        converged: whether every stage equation was solved.
+        iterations: the Newton iterations spent on them (summed over the stages, and
+            over a retry with a fresh iteration matrix).
+    """
+
+    converged: Bool[Array, ...]
+    iterations: Int[Array, ...]
+
+    @classmethod
+    def given(cls) -> StageReport:
+        """The report of stages taken as given (a replay): solved, no iterations."""
+        return cls(jnp.ones((), bool), jnp.zeros((), jnp.int32))
+
+    def __and__(self, other: StageReport) -> StageReport:
+        """Both solves: converged if both did, the iterations of both."""
+        return StageReport(self.converged & other.converged, self.iterations + other.iterations)
+
+
+def stage_report(ok) -> StageReport:
+    """A step's `ok` as a `StageReport` with `int32` iterations: a bare bool (from a
+    method that iterates on nothing: an explicit or a Rosenbrock step) spent none."""
+    if isinstance(ok, StageReport):
+        return StageReport(jnp.asarray(ok.converged, bool), jnp.asarray(ok.iterations, jnp.int32))
+    return StageReport(jnp.asarray(ok, bool), jnp.zeros((), jnp.int32))
 
 
 class AbstractMethod(abc.ABC):

@@ -52,7 +52,14 @@ from implicitdiff import custom_root, linear_solve
 from implicitdiff.linear_solve import LinearSolver
 
 from .._small import weighted_stages
-from ._base import Memory, StageTolerance, after, jacobian_product, lower_triangle
+from ._base import (
+    Memory,
+    StageReport,
+    StageTolerance,
+    after,
+    jacobian_product,
+    lower_triangle,
+)
 from ._newton import rounding_floor, simplified_newton
 from ._runge_kutta import TableauMethod, combine
 
@@ -199,7 +206,7 @@ class ESDIRK(TableauMethod):
     def step_with_stages(self, f, y, carry: ESDIRKCarry, t, h, params, *, tol=None, stages=None):
         """One step (see `AbstractMethod.step_with_stages`). With `stages`, the implicit
         stages' values of a replayed step (`replay_step`): no iteration and no
-        iteration matrix, a zero error estimate, and `ok` true."""
+        iteration matrix, a zero error estimate, and `ok` true (no iterations)."""
         tol = tol or StageTolerance()
         tab = self.tableau
         n, dt = y.shape[0], y.dtype
@@ -228,7 +235,7 @@ class ESDIRK(TableauMethod):
         floor = rounding_floor(tol.rtol, dt)
 
         def newton(res, z0, lu, eta0):
-            z, conv, eta, _ = simplified_newton(
+            z, conv, eta, iters = simplified_newton(
                 lambda z: solver.solve(lu, -res(z)),
                 z0,
                 weighted_norm,
@@ -237,7 +244,7 @@ class ESDIRK(TableauMethod):
                 eta0=eta0,
                 floor=floor,
             )
-            return z, (conv, eta)
+            return z, (StageReport(conv, iters.astype(jnp.int32)), eta)
 
         # The stage equations' derivatives: the residual's Jacobian at the stage value,
         # prepared once by the same linear solver (in reverse mode, for the forward and
@@ -247,7 +254,7 @@ class ESDIRK(TableauMethod):
         tangent_solve = solver
 
         def stage(base, guess, ti, hg, lu, eta0, known):
-            """One implicit stage: its value `z`, derivative, convergence and rate.
+            """One implicit stage: its value `z`, derivative, `StageReport` and rate.
             `known`: the stage's value in a replay, else `None`."""
 
             def residual(z):
@@ -256,14 +263,14 @@ class ESDIRK(TableauMethod):
             def solve(res, z0):
                 if known is None:
                     return newton(res, z0, lu, eta0)
-                return jax.lax.stop_gradient(known), (jnp.asarray(True), eta0)
+                return jax.lax.stop_gradient(known), (StageReport.given(), eta0)
 
-            z, (conv, eta) = custom_root(residual, guess, solve, tangent_solve, has_aux=True)
+            z, (report, eta) = custom_root(residual, guess, solve, tangent_solve, has_aux=True)
             # (A zero step, such as a solve from `t0` to `t0` attempts, has no stage
             # derivatives.)
             nonzero = hg != 0
             k = jnp.where(nonzero, (z - base) / jnp.where(nonzero, hg, 1), 0)
-            return z, k, conv, jax.lax.stop_gradient(eta)
+            return z, k, jax.lax.stop_gradient(report), jax.lax.stop_gradient(eta)
 
         rolled = len(lus) == 1 and (
             n >= ROLL_MIN_STATES if self.stage_loop is None else self.stage_loop
@@ -278,21 +285,21 @@ class ESDIRK(TableauMethod):
         return y1, err, carry1, ok, ks
 
     def _unrolled_stages(self, stage, lus, y, k1, t, h, known):
-        """The stages one after another in the program: `(ks, zs, ok)`, `zs` the
-        implicit stages' values as rows."""
+        """The stages one after another in the program: `(ks, zs, report)`, `zs` the
+        implicit stages' values as rows, `report` the stages' `StageReport`."""
         tab = self.tableau
         rdt = jnp.finfo(y.dtype).dtype
-        ks, zs, ok, eta = [k1], [], jnp.asarray(True), jnp.asarray(1.0, rdt)
+        ks, zs, ok, eta = [k1], [], StageReport.given(), jnp.asarray(1.0, rdt)
         for i in range(1, tab.stages):
             base = combine(y, h, tab.a[i], ks)
             guess = combine(y, h, tab.predictor[i - 1], ks) if tab.predictor else base
             g = tab.gamma[i]
             hg = jnp.asarray(h * g, y.dtype)
             z_known = None if known is None else known[i - 1]
-            z, k, conv, eta = stage(base, guess, t + tab.c[i] * h, hg, lus[g], eta, z_known)
+            z, k, report, eta = stage(base, guess, t + tab.c[i] * h, hg, lus[g], eta, z_known)
             ks.append(k)
             zs.append(z)
-            ok = ok & conv
+            ok = ok & report
         return ks, jnp.stack(zs), ok
 
     def _rolled_stages(self, stage, lus, y, k1, t, h, known):
@@ -316,11 +323,11 @@ class ESDIRK(TableauMethod):
             base = y + h * weighted_stages(a[i], ks)
             guess = base if pred is None else y + h * weighted_stages(pred[i], ks)
             z_known = None if known is None else known[i - 1]
-            z, k, conv, eta = stage(base, guess, t + c[i] * h, hg, lu, eta, z_known)
-            return ks.at[i].set(k), zs.at[i - 1].set(z), ok & conv, eta
+            z, k, report, eta = stage(base, guess, t + c[i] * h, hg, lu, eta, z_known)
+            return ks.at[i].set(k), zs.at[i - 1].set(z), ok & report, eta
 
         ks = jnp.zeros((s,) + y.shape, dt).at[0].set(k1)
         zs = jnp.zeros((s - 1,) + y.shape, dt)
-        init = (ks, zs, jnp.asarray(True), jnp.asarray(1.0, rdt))
+        init = (ks, zs, StageReport.given(), jnp.asarray(1.0, rdt))
         ks, zs, ok, _ = jax.lax.fori_loop(1, s, body, init)
         return [ks[i] for i in range(s)], zs, ok

@@ -57,6 +57,7 @@ from ..mass import MassMatrix, apply_mass
 from ._base import (
     AbstractMethod,
     Memory,
+    StageReport,
     StageTolerance,
     after,
     factor_shapes,
@@ -420,7 +421,7 @@ class BDF(AbstractMethod):
             return mass(z - y_pred + psi) - c * f(z, t1, params)
 
         def newton(res, z0, solve_with):
-            z, conv, _, _ = simplified_newton(
+            z, conv, _, iters = simplified_newton(
                 lambda z: solve_with(-res(z)),
                 z0,
                 norm,
@@ -429,16 +430,16 @@ class BDF(AbstractMethod):
                 eta0=1.0,
                 floor=floor,
             )
-            return z, conv
+            return z, StageReport(conv, iters.astype(jnp.int32))
 
         def iterate(res, z0):
-            """The corrector by simplified Newton: `(y1, (converged, factors to keep,
+            """The corrector by simplified Newton: `(y1, (report, factors to keep,
             factorisations made))`."""
             if mem.factors is None:
                 # A solver without factors to keep (a Krylov method): prepared every step.
                 state = fresh_state()
-                z, conv = newton(res, z0, lambda b: solver.solve(state, b))
-                return z, (conv, mem.factors, jnp.ones((), jnp.int32))
+                z, report = newton(res, z0, lambda b: solver.solve(state, b))
+                return z, (report, mem.factors, jnp.ones((), jnp.int32))
 
             ratio_c = c_c / jnp.where(mem.c != 0, mem.c, 1)
             reuse = (mem.c != 0) & (jnp.abs(ratio_c - 1) <= REUSE_CHANGE) & (mem.age < REUSE_STEPS)
@@ -448,19 +449,21 @@ class BDF(AbstractMethod):
             def solve_with(factors, scale=1):
                 return lambda b: scale * solver.solve_factors(factors, b)
 
-            z, conv = newton(res, z0, solve_with(factors0, scale0))
+            z, first = newton(res, z0, solve_with(factors0, scale0))
 
             def again():
                 factors = solver.factors(fresh_state(anchor=(z, factors0)))
-                z2, conv2 = newton(res, z0, solve_with(factors))
-                return z2, conv2, factors, jnp.ones((), jnp.int32)
+                z2, second = newton(res, z0, solve_with(factors))
+                # The first iteration's work counts too.
+                report = StageReport(second.converged, first.iterations + second.iterations)
+                return z2, report, factors, jnp.ones((), jnp.int32)
 
             def keep():
-                return z, conv, factors0, (~reuse).astype(jnp.int32)
+                return z, first, factors0, (~reuse).astype(jnp.int32)
 
-            retry = ~conv & reuse
-            z, conv, factors, work = keep_or_compute(~retry, keep(), again)
-            return z, (conv, factors, work)
+            retry = ~first.converged & reuse
+            z, report, factors, work = keep_or_compute(~retry, keep(), again)
+            return z, (report, factors, work)
 
         if end is None:
             solve = iterate
@@ -471,10 +474,10 @@ class BDF(AbstractMethod):
             # the solve reused them, and end elsewhere.)
             def solve(res, z0):
                 del res, z0
-                return end, (jnp.ones((), bool), mem.factors, jnp.zeros((), jnp.int32))
+                return end, (StageReport.given(), mem.factors, jnp.zeros((), jnp.int32))
 
         y1, aux = custom_root(residual, y_pred, solve, solver, has_aux=True)
-        ok, factors, work = stat(aux)
+        report, factors, work = stat(aux)
         if mem.factors is None:
             c_lu, age = c_c, jnp.zeros((), jnp.int32)
         else:
@@ -520,4 +523,4 @@ class BDF(AbstractMethod):
             age=age.astype(jnp.int32),
             work=work,
         )
-        return y1, err, BDFCarry(k=k_next, D=D, memory=memory), ok, [carry.k]
+        return y1, err, BDFCarry(k=k_next, D=D, memory=memory), report, [carry.k]

@@ -62,6 +62,7 @@ from . import _reuse
 from ._base import (
     AbstractMethod,
     Memory,
+    StageReport,
     StageTolerance,
     StepEnd,
     after,
@@ -467,7 +468,10 @@ class Radau5(AbstractMethod):
                 eta0=1.0,
                 floor=floor,
             )
-            return _mix(T, w), (conv, _reuse.contraction(eta, iters))
+            return _mix(T, w), (
+                StageReport(conv, iters.astype(jnp.int32)),
+                _reuse.contraction(eta, iters),
+            )
 
         def residual(z):
             return mass(z) - h * _mix(A, stage_fields(z))
@@ -482,9 +486,9 @@ class Radau5(AbstractMethod):
 
             def solve(res, z0):  # a replay's solution is given (`replay_step`)
                 del res, z0
-                return stat(stages), (jnp.ones((), bool), jnp.zeros((), dt))
+                return stat(stages), (StageReport.given(), jnp.zeros((), dt))
 
-        z, (ok, theta) = custom_root(
+        z, (report, theta) = custom_root(
             residual, z0, solve, self.linear_solver.coupled(3), has_aux=True
         )
         y1 = y + z[:, 2]
@@ -500,7 +504,7 @@ class Radau5(AbstractMethod):
                 work=work,
             )  # fmt: skip
         start = StageStart.pack(stat(z), stat(h))
-        return y1, err, Radau5Carry(k=k_next, memory=memory, start=start), ok, ks
+        return y1, err, Radau5Carry(k=k_next, memory=memory, start=start), report, ks
 
     def _error(self, f, y, t, params, k1_z, inv_h, systems, prepared, tol):
         """Hairer's error estimate, refined by one more solve where it exceeds the
