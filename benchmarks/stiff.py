@@ -213,7 +213,8 @@ def problems(mode: str) -> list[Problem]:
 
 
 # ---------------------------------------------------------------------------
-# The implementations: each returns `solve(p) -> (y(T), steps)`, and `loss(p)`.
+# The implementations: each returns `solve(p) -> (y(T), steps)` (ours: `_counts` as the
+# steps, see `first_row`), and `loss(p)`.
 
 
 def ours(prob: Problem, method: str, rtol: float, atol: float):

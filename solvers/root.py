@@ -72,8 +72,9 @@ def root(
         *args: parameters passed to `f`: pytrees of arrays, differentiable.
         method: `"newton"` (Jacobian by autodiff at every step, one linear
             solve per step: quadratic convergence), `"chord"` (the Jacobian at
-            `x0` prepared once by `linear_solver`, for `Dense` factorised once, and
-            reused: cheaper steps, linear convergence), `"broyden"` (Broyden's
+            `x0` prepared once by `linear_solver` and reused, factorised once by
+            dense LU for `Dense` and for `"auto"` at any size: cheaper steps, linear
+            convergence), `"broyden"` (Broyden's
             "good" rank-one updates of the inverse Jacobian, a dense matrix,
             starting from the exact one at `x0`: superlinear), or
             `"bisection"` (scalar `x` only, needs `bracket`; always converges
@@ -303,8 +304,12 @@ def _chord(g, x0, *, rtol, atol, max_steps, linear_solver):
     """The chord method: the Jacobian at `x0`, prepared once by `linear_solver` (a
     `LinearSolver`: `Dense` factors it once, `Banded` or `Sparse` by their structure,
     a Krylov solver iterates with its products), for every step; a plain function
-    `solve(matvec, b)` is called with the same products at every step."""
+    `solve(matvec, b)` is called with the same products at every step. `Auto`, the
+    default, factors it by dense LU at any size: reusing one factorisation is the
+    method's point, where `Auto` would run GMRES at every step above its dense size."""
     solve = _quiet(linear_solver)
+    if isinstance(solve, linear_solve.Auto):
+        solve = linear_solve.Dense(throw=False)
     flat0, unravel, g_flat = _flat(g, x0)
     _, jvp0 = jax.linearize(g, x0)
     if isinstance(solve, linear_solve.LinearSolver):

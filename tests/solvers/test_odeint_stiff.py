@@ -215,7 +215,7 @@ def test_info_counts_newton_iterations_per_element(x64, method):
     """Over a solve of the linear field, every stage equation takes one or two
     iterations (one where the start is already within the stopping test: the
     extrapolated start of a step like the last); under `vmap`, each element counts its
-    own attempts only, the same as solved alone."""
+    own attempts only, the same as solved alone; forward mode counts the primal's."""
 
     def solve(scale):
         return odeint(_linear, jnp.array([1.0, 2.0]), jnp.array([0.0, 5.0]), scale,
@@ -231,6 +231,9 @@ def test_info_counts_newton_iterations_per_element(x64, method):
         assert solves <= iterations <= 2 * solves, (iterations, solves)
         assert int(batched.num_newton_iterations[i]) == iterations
         assert int(batched.steps[i]) == int(alone.steps)
+        # Forward sensitivities step the primal solve's steps, with its iterations.
+        primal, _ = jax.jit(lambda s: jax.jvp(solve, (s,), (jnp.ones_like(s),)))(scale)
+        assert int(primal.num_newton_iterations) == iterations
     # The stiffer element takes more steps, so a count over the batch would show it.
     assert int(batched.steps[1]) > int(batched.steps[0])
 

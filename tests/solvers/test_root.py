@@ -286,16 +286,24 @@ def test_linear_solvers_give_the_same_derivatives(x64, linear_solver):
     np.testing.assert_allclose(fwd, jinv, rtol=1e-8, atol=1e-10)
 
 
+class _HalfDense(linear_solve.Dense):
+    """Dense LU whose solves return half the solution (damped steps)."""
+
+    def solve(self, state, b):
+        return jax.tree_util.tree_map(lambda x: 0.5 * x, super().solve(state, b))
+
+
 @pytest.mark.parametrize(
     "linear_solver",
-    ["dense", linear_solve.Banded(1, 1), linear_solve.GMRES(rtol=1e-13), "function"],
+    ["dense", linear_solve.Banded(1, 1), linear_solve.GMRES(rtol=1e-13), "object", "function"],
     ids=str,
 )
 def test_chord_steps_solve_with_the_linear_solver(x64, linear_solver):
     """The chord method prepares the Jacobian at `x0` once with `linear_solver` and
     solves with it at every step: on a tridiagonal system a band solver and GMRES take
-    the dense LU's steps to the same root; a solver that returns half the solution
-    (damped steps) converges, slower, which shows its solves are the steps'."""
+    the dense LU's steps to the same root; a solver object or a function whose solves
+    return half the solution (damped steps) converges, slower, which shows its solves
+    are the steps'."""
     n = 6
     m = jnp.asarray(
         3.0 * np.eye(n) + np.diag(np.full(n - 1, 0.4), 1) - np.diag(np.full(n - 1, 0.3), -1)
@@ -307,9 +315,10 @@ def test_chord_steps_solve_with_the_linear_solver(x64, linear_solver):
                     linear_solver=solver, return_info=True)  # fmt: skip
 
     x_dense, info_dense = solve("dense")
-    if linear_solver == "function":
+    if linear_solver in ("object", "function"):
         dense = linear_solve.Dense()
-        x, info = solve(lambda matvec, rhs: 0.5 * dense(matvec, rhs))
+        half = _HalfDense() if linear_solver == "object" else lambda mv, rhs: 0.5 * dense(mv, rhs)
+        x, info = solve(half)
         assert int(info.steps) > int(info_dense.steps) + 10
     else:
         x, info = solve(linear_solver)
