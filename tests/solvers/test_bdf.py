@@ -4,6 +4,7 @@ and forward sensitivities (its derivatives against SciPy references are in
 test_odeint_stiff.py and test_odeint_structured.py; every transformation in
 test_odeint.py)."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from implicitdiff import linear_solve
 from solvers import odeint
 from solvers.ode.fields import TangentField
 from solvers.ode.loop import stepper
-from solvers.ode.methods import BDF, StageTolerance, StepEnd, bdf
+from solvers.ode.methods import BDF, StageTolerance, StepEnd, bdf, stage_report
 
 from .stiff_problems import PROBLEMS, batch_script, bruss
 from .test_odeint_stiff import _converged
@@ -240,6 +241,41 @@ def test_vmap_batch_of_sixteen():
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-9
+
+
+def test_a_failed_reuse_counts_the_iterations_of_both_tries(x64):
+    """A step whose kept factorisation fails (here the factors of `-I`, which send
+    Newton's iteration the wrong way) factors afresh and iterates again from the same
+    start: it ends where a step with no kept factors ends, having spent the same
+    iterations plus the failed ones (at least one, at most `NEWTON_ITERS`)."""
+    prob = PROBLEMS["rober"]
+    f = lambda y, t, params: prob["f"](y, t, params[0], jnp)  # noqa: E731
+    p, y = jnp.asarray(prob["p"]), jnp.asarray(prob["y0"])
+    method, h = BDF(), 1e-4
+    carry = method.initial_carry(y, f(y, 0.0, (p,)))
+    for _ in range(3):
+        y, _, carry, ok = method.step(f, y, carry, 0.0, h, (p,))
+        assert bool(_converged(ok))
+    mem = carry.memory
+    assert float(mem.c) != 0  # a factorisation the next step of this size reuses
+    solver = method.linear_solver
+    wrong = solver.factors(solver.init(lambda v: -v, y))
+    scalars = {name: getattr(mem, name) for name in bdf._SCALARS}
+
+    def with_memory(factors, c):
+        memory = bdf.BDFMemory.of(factors, y.dtype, **(scalars | {"c": c}))
+        return dataclasses.replace(carry, memory=memory)
+
+    y_fresh, _, carry_fresh, ok_fresh = method.step(
+        f, y, with_memory(mem.factors, 0.0), 0.0, h, (p,)
+    )
+    y_retry, _, carry_retry, ok_retry = method.step(f, y, with_memory(wrong, mem.c), 0.0, h, (p,))
+    fresh, retry = stage_report(ok_fresh), stage_report(ok_retry)
+    assert bool(fresh.converged) and bool(retry.converged)
+    assert int(carry_fresh.memory.work) == int(carry_retry.memory.work) == 1
+    np.testing.assert_allclose(y_retry, y_fresh, rtol=1e-13, atol=0)
+    failed = int(retry.iterations) - int(fresh.iterations)
+    assert 1 <= failed <= bdf.NEWTON_ITERS, (int(retry.iterations), int(fresh.iterations))
 
 
 def test_replay_with_a_known_end_gives_the_step_and_its_derivative(x64):
