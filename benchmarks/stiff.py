@@ -777,7 +777,8 @@ def at_scipy_accuracy(prob: Large, rows: list[Row], ref: np.ndarray, rounds: int
     for factor in MATCH_FACTORS:
         looser = dataclasses.replace(prob, rtol=prob.rtol * factor, atol=prob.atol * factor)
         solve, _ = ours_large(looser, method, default="default" in best.impl)
-        first = first_row(name := f"{best.impl} {MATCHED}", solve(p), ref, prob.atol)
+        name = f"{best.impl} {MATCHED}"
+        first = first_row(name, solve(p), ref, prob.atol)
         err = first.err
         log(f"  {prob.name}: {best.impl} at rtol x{factor:g}: error {err:.2e}")
         if err <= best_sp.err:

@@ -241,18 +241,19 @@ class StageReport(eqx.Module):
     method returns).
 
     Attributes:
-        converged: whether every stage equation was solved.
+        converged: whether every stage equation was solved (made a bool array).
         iterations: the Newton iterations spent on them (summed over the stages, and
-            over a retry with a fresh iteration matrix).
+            over a retry with a fresh iteration matrix; made `int32`, whatever integer
+            type the iteration counted in).
     """
 
-    converged: Bool[Array, ...]
-    iterations: Int[Array, ...]
+    converged: Bool[Array, ...] = eqx.field(converter=lambda x: jnp.asarray(x, bool))
+    iterations: Int[Array, ...] = eqx.field(converter=lambda x: jnp.asarray(x, jnp.int32))
 
     @classmethod
     def given(cls) -> StageReport:
         """The report of stages taken as given (a replay): solved, no iterations."""
-        return cls(jnp.ones((), bool), jnp.zeros((), jnp.int32))
+        return cls(True, 0)
 
     def __and__(self, other: StageReport) -> StageReport:
         """Both solves: converged if both did, the iterations of both."""
@@ -260,11 +261,9 @@ class StageReport(eqx.Module):
 
 
 def stage_report(ok) -> StageReport:
-    """A step's `ok` as a `StageReport` with `int32` iterations: a bare bool (from a
-    method that iterates on nothing: an explicit or a Rosenbrock step) spent none."""
-    if isinstance(ok, StageReport):
-        return StageReport(jnp.asarray(ok.converged, bool), jnp.asarray(ok.iterations, jnp.int32))
-    return StageReport(jnp.asarray(ok, bool), jnp.zeros((), jnp.int32))
+    """A step's `ok` as a `StageReport`: a bare bool (from a method that iterates on
+    nothing: an explicit or a Rosenbrock step) spent no iterations."""
+    return ok if isinstance(ok, StageReport) else StageReport(ok, 0)
 
 
 class AbstractMethod(abc.ABC):

@@ -244,7 +244,7 @@ class ESDIRK(TableauMethod):
                 eta0=eta0,
                 floor=floor,
             )
-            return z, (StageReport(conv, iters.astype(jnp.int32)), eta)
+            return z, (StageReport(conv, iters), eta)
 
         # The stage equations' derivatives: the residual's Jacobian at the stage value,
         # prepared once by the same linear solver (in reverse mode, for the forward and

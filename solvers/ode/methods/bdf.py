@@ -450,7 +450,7 @@ class BDF(AbstractMethod):
                 eta0=1.0,
                 floor=floor,
             )
-            return z, StageReport(conv, iters.astype(jnp.int32))
+            return z, StageReport(conv, iters)
 
         def iterate(res, z0):
             """The corrector by simplified Newton: `(y1, (report, factors to keep,

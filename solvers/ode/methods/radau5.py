@@ -468,10 +468,7 @@ class Radau5(AbstractMethod):
                 eta0=1.0,
                 floor=floor,
             )
-            return _mix(T, w), (
-                StageReport(conv, iters.astype(jnp.int32)),
-                _reuse.contraction(eta, iters),
-            )
+            return _mix(T, w), (StageReport(conv, iters), _reuse.contraction(eta, iters))
 
         def residual(z):
             return mass(z) - h * _mix(A, stage_fields(z))
